@@ -1,0 +1,5 @@
+import sys
+
+from eaglekit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""`eaglekit <stage> [--config FILE] [key=value | --key value ...]`: a thin layer over `eaglekit.stages`.
+
+Only argument parsing lives here; every stage's work is in its module. Heavy libraries are imported
+by the stage itself, so `eaglekit --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+from eaglekit import __version__
+from eaglekit.errors import EaglekitError
+from eaglekit.stages import STAGES, load_stage
+
+USAGE = "usage: eaglekit <stage> [--config FILE] [key=value ...] [--key value ...]   (eaglekit <stage> --help)"
+
+
+def _summary(module_name: str) -> str:
+    """A stage's one-line summary, read from its source without importing it."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return "(not installed)"
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def _print_main_help() -> None:
+    print(f"eaglekit {__version__}: an EAGLE-3 drafter for any LLM, and proof that it speeds the model up.\n")
+    print(USAGE + "\n\nstages:")
+    for name, module in STAGES.items():
+        print(f"  {name:<10} {_summary(module)}")
+
+
+def _print_stage_help(name: str) -> None:
+    from eaglekit.config import describe
+
+    stage = load_stage(name)
+    print(f"usage: eaglekit {name} [--config FILE] [key=value ...]\n")
+    print((stage.__doc__ or "").strip() + "\n\noptions (key, type, default: meaning):")
+    for key, type_name, default, help_text in describe(stage.Config):
+        print(f"  {key} ({type_name}, default {default!r}): {help_text}")
+
+
+def split_args(args: list[str], positional: tuple[str, ...] = ()) -> tuple[str | None, list[str]]:
+    """`--config F`, `key=value`, `--key value`, `--key=value`, `--flag`, bare positionals -> (config, overrides)."""
+    config_path, overrides, bare = None, [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config", "-c"):
+            if i + 1 >= len(args):
+                raise EaglekitError("--config needs a file path")
+            config_path, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--"):
+            key = arg[2:]
+            if "=" in key:
+                overrides.append(key)
+            elif i + 1 < len(args) and not args[i + 1].startswith("--") and "=" not in args[i + 1]:
+                overrides.append(f"{key}={args[i + 1]}")
+                i += 1
+            else:
+                overrides.append(f"{key}=true")
+        elif "=" in arg:
+            overrides.append(arg)
+        else:
+            bare.append(arg)
+        i += 1
+    if len(bare) > len(positional):
+        names = ", ".join(positional) or "none"
+        raise EaglekitError(f"unexpected argument '{bare[len(positional)]}' (positional arguments: {names}); use key=value")
+    overrides = [f"{key}={value}" for key, value in zip(positional, bare)] + overrides
+    return config_path, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        _print_main_help()
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"eaglekit {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in STAGES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(STAGES), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"eaglekit: unknown stage '{name}'{hint}\n{USAGE}", file=sys.stderr)
+        return 2
+    if any(a in ("-h", "--help") for a in rest):
+        _print_stage_help(name)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        from eaglekit.config import load_config
+
+        stage = load_stage(name)
+        config_path, overrides = split_args(rest, getattr(stage, "POSITIONAL", ()))
+        config = load_config(stage.Config, config_path, overrides)
+        stage.run(config)
+    except EaglekitError as error:
+        print(f"eaglekit {name}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"eaglekit {name}: interrupted; finished work is kept, re-run the same command to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

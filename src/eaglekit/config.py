@@ -1,0 +1,234 @@
+"""Stage configuration: frozen dataclasses filled from a YAML file plus `key=value` overrides.
+
+Every stage declares one frozen dataclass whose fields use `option(default, help)`. Nested
+dataclasses are addressed with dotted keys (`optim.lr=1e-4`). Unknown keys are rejected with the
+closest valid name; values are coerced to the declared type. The fully resolved config is written
+next to every output a stage produces (`save_resolved`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from eaglekit.errors import EaglekitError
+
+C = TypeVar("C")
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its default and a one-line meaning shown by `eaglekit <stage> --help`."""
+    metadata = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple (immutable) default for sequence options")
+    if dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=lambda: default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML-parsed value to the declared field type, or raise a clear error."""
+    tp, optional = _strip_optional(tp)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if optional or tp is Any:
+            return None
+        raise EaglekitError(f"config key '{key}' cannot be empty")
+    origin = typing.get_origin(tp)
+    try:
+        if tp is Any:
+            return value
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+                return False
+            raise ValueError(value)
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+        if origin in (tuple, list):
+            args = typing.get_args(tp)
+            item_tp = args[0] if args else Any
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()] if value.strip() else []
+            if not isinstance(value, (list, tuple)):
+                value = [value]
+            return tuple(_coerce(v, item_tp, key) for v in value)
+        if origin is dict or tp is dict:
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return dict(value)
+    except (TypeError, ValueError):
+        raise EaglekitError(f"config key '{key}': cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
+    return value
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def valid_keys(cls: type, prefix: str = "") -> list[str]:
+    """All dotted keys a config class accepts."""
+    keys: list[str] = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, _ = _strip_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            keys.extend(valid_keys(tp, f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _build(cls: type[C], values: dict[str, Any], prefix: str) -> C:
+    hints = _hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    all_keys = valid_keys(cls)
+    for key in values:
+        if key not in names:
+            raise EaglekitError(f"unknown config key '{prefix}{key}'" + _suggest(key, all_keys))
+    kwargs: dict[str, Any] = {}
+    for name, f in names.items():
+        tp, _ = _strip_optional(hints[name])
+        if dataclasses.is_dataclass(tp):
+            sub = values.get(name, {})
+            if dataclasses.is_dataclass(sub):
+                sub = dataclasses.asdict(sub)
+            if not isinstance(sub, dict):
+                raise EaglekitError(f"config key '{prefix}{name}' is a section; set its fields, e.g. {prefix}{name}.<key>=...")
+            kwargs[name] = _build(tp, sub, f"{prefix}{name}.")
+        elif name in values:
+            value = _coerce(values[name], hints[name], prefix + name)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise EaglekitError(f"config key '{prefix}{name}' must be one of {', '.join(choices)}, not {value!r}")
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise EaglekitError(f"config key '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`["a.b=1", "name=x"]` -> nested dict, values parsed as YAML scalars (`1e-4`, `true`, `[2,3]`)."""
+    tree: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise EaglekitError(f"expected key=value, got '{pair}'")
+        key, raw = pair.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip().replace("-", "_"), value)
+    return tree
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | dict[str, Any] = ()) -> C:
+    """Build `cls` from an optional YAML file, then `key=value` overrides (which win)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise EaglekitError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise EaglekitError(f"config file {path} is not valid YAML: {error}") from None
+        if not isinstance(loaded, dict):
+            raise EaglekitError(f"config file {path} must hold a mapping of keys to values")
+        values = loaded
+    extra = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides))
+    return _build(cls, _merge(values, extra), "")
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain dict (tuples as lists) for YAML/JSON output."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+    return {k: plain(v) for k, v in dataclasses.asdict(config).items()}
+
+
+def config_hash(config: Any, exclude: tuple[str, ...] = ()) -> str:
+    """Stable short hash of a config (keys in `exclude` ignored), to tell a changed run from a resumed one."""
+    data = {k: v for k, v in to_dict(config).items() if k not in exclude}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def save_resolved(config: Any, directory: str | Path, name: str = "config.yaml") -> Path:
+    """Write the fully resolved config next to a stage's outputs (atomically)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / name
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    tmp.replace(target)
+    return target
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, help) for every option, nested sections flattened with dots."""
+    rows: list[tuple[str, str, Any, str]] = []
+    hints = _hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        tp, _ = _strip_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, f"{prefix}{f.name}."))
+            continue
+        type_name = getattr(tp, "__name__", str(tp).replace("typing.", ""))
+        help_text = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            help_text += f" (one of: {', '.join(f.metadata['choices'])})"
+        rows.append((prefix + f.name, type_name, getattr(defaults, f.name), help_text))
+    return rows
