@@ -115,7 +115,7 @@ def _build(cls: type[C], values: dict[str, Any], prefix: str) -> C:
     all_keys = valid_keys(cls)
     for key in values:
         if key not in names:
-            raise EaglekitError(f"unknown config key '{prefix}{key}'" + _suggest(key, all_keys))
+            raise EaglekitError(f"unknown config key '{prefix}{key}'" + _suggest(prefix + key, [prefix + k for k in all_keys]))
     kwargs: dict[str, Any] = {}
     for name, f in names.items():
         tp, _ = _strip_optional(hints[name])
@@ -229,6 +229,6 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         type_name = getattr(tp, "__name__", str(tp).replace("typing.", ""))
         help_text = f.metadata.get("help", "")
         if f.metadata.get("choices"):
-            help_text += f" (one of: {', '.join(f.metadata['choices'])})"
+            help_text += f" (one of {', '.join(f.metadata['choices'])})"
         rows.append((prefix + f.name, type_name, getattr(defaults, f.name), help_text))
     return rows
