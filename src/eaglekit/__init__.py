@@ -1,12 +1,32 @@
 """eaglekit: an EAGLE-3 draft model for any large language model, and proof that it speeds the model up.
 
 The pipeline stages live in `eaglekit.stages` (one module per stage, each with a frozen `Config`
-dataclass and `run(config)`); the CLI `eaglekit <stage>` is a thin layer over them. Heavy imports
-(torch, transformers) happen inside the stages so that `import eaglekit` stays fast.
+dataclass and `run(config)`); the CLI `eaglekit <stage>` and `run_stage` below are thin layers over
+them. Heavy imports (torch, transformers) happen inside the stages so that `import eaglekit` is fast.
+
+    import eaglekit
+    eaglekit.run_stage("train", target="tiny", data="runs/x/extract", out="runs/x/drafter")
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 __version__ = "0.1.0"
 
 from eaglekit.errors import EaglekitError  # noqa: E402
 
-__all__ = ["EaglekitError", "__version__"]
+
+def run_stage(name: str, config_file: str | Path | None = None, **options: Any) -> Any:
+    """Run one stage from Python: options as keyword arguments (nested sections as dicts), like the CLI's key=value."""
+    from eaglekit.config import load_config
+    from eaglekit.stages import STAGES, load_stage
+
+    if name not in STAGES:
+        raise EaglekitError(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
+    stage = load_stage(name)
+    return stage.run(load_config(stage.Config, config_file, options))
+
+
+__all__ = ["EaglekitError", "__version__", "run_stage"]
