@@ -11,6 +11,7 @@ output before the final norm. SGLang's explicit ids mean "output of layer k" = o
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,40 +70,85 @@ def _get(model: nn.Module, path: str) -> Any:
     return obj
 
 
+_LAYER_SUFFIXES = ("layer", "block", "decoderlayer")
+_NOT_LAYERS = ("expert", "mlp", "embedding")
+
+
+def _looks_like_layers(module: nn.ModuleList) -> bool:
+    """Same-class blocks, or blocks whose classes all read as layers (hybrid stacks: attention + mamba)."""
+    names = {type(m).__name__.lower() for m in module}
+    if any(token in name for name in names for token in _NOT_LAYERS):
+        return False
+    if isinstance(module[0], (nn.Linear, nn.ModuleList, nn.Embedding)):
+        return False
+    return len(names) == 1 or all(name.endswith(_LAYER_SUFFIXES) for name in names)
+
+
+def _final_norm(model: nn.Module, parent_path: str) -> tuple[str | None, nn.Module | None]:
+    parent = _get(model, parent_path) if parent_path else model
+    for name in FINAL_NORM_NAMES:
+        module = getattr(parent, name, None)
+        if isinstance(module, nn.Module):
+            return f"{parent_path}.{name}".lstrip("."), module
+    return None, None
+
+
+def _parent_path(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
 def _candidate_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """ModuleLists of same-class blocks that are not vision/audio towers, largest first."""
+    """ModuleLists of decoder-like blocks that are not vision/audio towers or MoE expert lists."""
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        if any(token in name.lower() for token in _NON_TEXT):
+        if any(token in name.lower() for token in _NON_TEXT) or name.lower().endswith("experts"):
             continue
-        if len({type(m) for m in module}) == 1 and not isinstance(module[0], (nn.Linear, nn.ModuleList)):
+        if _looks_like_layers(module):
             found.append((name, module))
-    return sorted(found, key=lambda item: -len(item[1]))
+    return found
 
 
-def find_decoder(model: nn.Module) -> DecoderStack:
-    """Locate the text decoder's layer stack and final norm on the model object actually loaded."""
+def _rank(model: nn.Module, expected: int | None, path: str, layers: nn.ModuleList) -> tuple:
+    """Sort key, best first: right layer count, a final norm beside it, many layers, shallow path."""
+    has_norm = _final_norm(model, _parent_path(path))[1] is not None
+    return (expected is not None and len(layers) == expected, has_norm, len(layers), -path.count("."))
+
+
+def describe_stacks(model: nn.Module) -> str:
+    """What the search found, for error messages: 'path (N x Class)' for every layer-like ModuleList."""
+    rows = [f"{name} ({len(m)} x {type(m[0]).__name__})" for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) > 0]
+    return "; ".join(rows[:12]) or "no ModuleList at all"
+
+
+def find_decoder(model: nn.Module, path: str | None = None) -> DecoderStack:
+    """Locate the text decoder's layer stack and final norm on the model object actually loaded.
+
+    `path` (dotted, e.g. "model.language_model.layers") overrides the search; it is still verified.
+    """
     expected = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", None)
-    candidates = [(n, m) for n, m in _candidate_stacks(model) if expected is None or len(m) == expected]
+    if path:
+        layers = _get(model, path)
+        if not isinstance(layers, nn.ModuleList):
+            raise EaglekitError(
+                f"decoder_path '{path}' is not a ModuleList in {type(model).__name__}; found: {describe_stacks(model)}"
+            )
+        candidates = [(path, layers)]
+    else:
+        candidates = _candidate_stacks(model)
+        candidates += [(p, _get(model, p)) for p in KNOWN_LAYER_PATHS
+                       if isinstance(_get(model, p), nn.ModuleList) and p not in dict(candidates)]
+        candidates.sort(key=lambda item: _rank(model, expected, *item), reverse=True)
     if not candidates:
-        candidates = [(p, _get(model, p)) for p in KNOWN_LAYER_PATHS if isinstance(_get(model, p), nn.ModuleList)]
-    if not candidates:
-        searched = ", ".join(KNOWN_LAYER_PATHS)
         raise EaglekitError(
             f"no decoder layer stack found in {type(model).__name__} (expected {expected} layers); searched every "
-            f"ModuleList and the known paths {searched}. Report the model's module tree (print(model)) to eaglekit."
+            f"ModuleList and the known paths {', '.join(KNOWN_LAYER_PATHS)}; found: {describe_stacks(model)}. "
+            "Pass decoder_path=<dotted path of the layer list> or report print(model) to eaglekit."
         )
     path, layers = candidates[0]
-    parent_path = path.rsplit(".", 1)[0] if "." in path else ""
-    parent = _get(model, parent_path) if parent_path else model
-    norm_path, norm = None, None
-    for name in FINAL_NORM_NAMES:
-        module = getattr(parent, name, None)
-        if isinstance(module, nn.Module):
-            norm_path, norm = f"{parent_path}.{name}".lstrip("."), module
-            break
+    norm_path, norm = _final_norm(model, _parent_path(path))
     return DecoderStack(path=path, layers=layers, norm_path=norm_path, norm=norm)
 
 
@@ -144,16 +190,31 @@ class HiddenStateCapture:
         final = capture.final()  # (B, T, H), what the lm_head reads
     """
 
-    def __init__(self, model: nn.Module, aux_layers: tuple[int, ...], capture_final: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layers: tuple[int, ...],
+        capture_final: bool = True,
+        *,
+        convention: str = INPUT_OF_LAYER,
+        decoder_path: str | None = None,
+    ):
         self.model = model
-        self.stack = find_decoder(model)
+        self.stack = find_decoder(model, decoder_path)
         num_layers = self.stack.num_layers
+        aux_layers = to_input_convention(tuple(aux_layers), convention)
         for layer_id in aux_layers:
             if not 0 <= layer_id <= num_layers:
-                raise EaglekitError(f"aux layer id {layer_id} is out of range for a target with {num_layers} layers (valid: 0..{num_layers})")
+                raise EaglekitError(
+                    f"aux layer id {layer_id} ({INPUT_OF_LAYER} convention) is out of range for a target with "
+                    f"{num_layers} layers (valid: 0..{num_layers}); omit aux_layer_ids for the default {default_aux_layers(num_layers) if num_layers >= 4 else '(none)'}"
+                )
         if capture_final and self.stack.norm is None:
-            raise EaglekitError(f"no final norm found next to {self.stack.path} in {type(model).__name__}")
-        self.aux_layers = tuple(aux_layers)
+            raise EaglekitError(
+                f"no final norm ({', '.join(FINAL_NORM_NAMES)}) found next to {self.stack.path} in {type(model).__name__}; "
+                "pass decoder_path= to point at the text decoder's layer list"
+            )
+        self.aux_layers = tuple(aux_layers)  # always in the input-of-layer convention
         self.capture_final = capture_final
         self.states: dict[int, torch.Tensor] = {}
         self.final_state: torch.Tensor | None = None
@@ -179,7 +240,7 @@ class HiddenStateCapture:
 
     def __enter__(self) -> HiddenStateCapture:
         layers = self.stack.layers
-        for layer_id in self.aux_layers:
+        for layer_id in sorted(set(self.aux_layers)):  # one hook per distinct id (L=4 defaults repeat none, L=5 may)
             if layer_id < len(layers):
                 handle = layers[layer_id].register_forward_pre_hook(self._pre_hook(layer_id), with_kwargs=True)
             else:  # id L: the last layer's output, before the final norm
@@ -214,3 +275,28 @@ class HiddenStateCapture:
         if self.final_state is None:
             raise EaglekitError(f"the final-norm hook ({self.stack.norm_path}) did not fire on {type(self.model).__name__}")
         return self.final_state
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_target(
+    model: nn.Module,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor | None = None,  # (B, T), 1 = real token
+    output_hidden_states: bool = False,
+) -> Any:
+    """One target forward for capture: no KV cache, and logits only for the last position when the class
+    allows it (the lm_head over a 100k+ vocabulary is otherwise the largest tensor of the pass)."""
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if _accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    if _accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = 1
+    if output_hidden_states:
+        kwargs["output_hidden_states"] = True
+    return model(**kwargs)
