@@ -106,6 +106,30 @@ class DrafterConfig:
         return cls(**kwargs)
 
 
+_COMPILED_FLEX: Any = None
+
+
+def attend(
+    q: torch.Tensor,  # (B, nh, T, D)
+    keys: torch.Tensor,  # (B, nkv, S, D)
+    values: torch.Tensor,  # (B, nkv, S, D)
+    mask: Any,  # bool tensor (B or 1, 1, T, S), True = attend; a flex-attention BlockMask; or None
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Scaled dot-product attention; a `BlockMask` selects flex attention (compiled on CUDA)."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=enable_gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _COMPILED_FLEX
+    function = flex_attention
+    if q.device.type == "cuda":  # eager flex attention is a slow reference; the kernel needs compile
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        function = _COMPILED_FLEX
+    return function(q, keys, values, block_mask=mask, enable_gqa=enable_gqa)
+
+
 class DraftAttention(nn.Module):
     """Attention whose q/k/v read the 2H-wide concatenation [norm(embedding), norm(feature)]."""
 
@@ -124,7 +148,7 @@ class DraftAttention(nn.Module):
         cos: torch.Tensor,  # (B, T, D)
         sin: torch.Tensor,  # (B, T, D)
         past_kv: tuple[torch.Tensor, torch.Tensor] | None,  # 2 x (B, nkv, S, D)
-        mask: torch.Tensor | None,  # (B or 1, 1, T, S + T) bool, True = attend; None = attend to all
+        mask: Any,  # (B or 1, 1, T, S + T) bool, True = attend; a flex BlockMask; None = attend to all
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, D)
@@ -132,9 +156,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # (B, nh, T, D)
+        out = attend(q, keys, values, mask, enable_gqa=self.num_heads != self.num_kv_heads)  # (B, nh, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, nh*D)
         return self.o_proj(out), (k, v)
 

@@ -1,0 +1,281 @@
+"""Training-time test (TTT): the unrolled K-step drafter loss, as pure tensor functions.
+
+Alignment (raw tokens x_0..x_{T-1}; target logits L_t at position t predict x_{t+1}; m_t = 1 on
+assistant tokens). At TTT step k (k = 0..K-1) position t:
+- the feature is the fused target state f_t (step 0) or the drafter's own output of step k-1 at t;
+- the input token is x_{t+1+k} (ids shifted left by 1+k);
+- the soft label is softmax(L_{t+1+k}[t2d]) (targets shifted left by 1+k), the distribution of x_{t+2+k};
+- the loss mask is m_{t+2+k} (the PREDICTED token is an assistant token) AND argmax L_{t+1+k} is in the
+  draft vocabulary. (The EAGLE reference shifts its loss mask from m_t, i.e. it masks by the token two to
+  the left of the predicted one; the two differ only at the edges of assistant spans.)
+- the position id is t+k, so that relative positions between a query and the keys of earlier steps
+  equal those seen in decoding, where the k-th draft token sits k places right of its root. The EAGLE
+  reference keeps position t for every step.
+- attention: the query of step k at t sees step-0 keys at positions <= t (causal) and the keys of steps
+  1..k at position t only -- the reference's `cache_hidden` lists.
+
+The loss of step k is a soft cross-entropy averaged over its mask, weighted by `decay ** k` (0.8^k).
+`ttt_forward` runs the K steps through `Eagle3Drafter.forward` with one attention call per step over the
+concatenated keys of steps 0..k (SDPA with a boolean mask, or flex attention with a block mask).
+`naive_ttt_forward` is the reference: explicit per-step caches and `reference_step`, a hand-written
+forward of one drafter step; tests check that both agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_STEPS = 7
+DEFAULT_DECAY = 0.8
+
+
+# --- alignment ------------------------------------------------------------------------------
+def step_weights(num_steps: int, decay: float = DEFAULT_DECAY) -> torch.Tensor:
+    """(K,) weights decay**k."""
+    return torch.tensor([decay**k for k in range(num_steps)], dtype=torch.float32)
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """Shift along dim 1 by n: out[:, t] = x[:, t + n], the last n positions filled with `fill`."""
+    if n == 0:
+        return x
+    pad = torch.full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def step_masks(loss_mask: torch.Tensor, in_vocab: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_mask (B, T), in_vocab (B, T)) bool -> (train masks, accuracy masks), each (K, B, T).
+
+    accuracy mask k = m_{t+2+k} (assistant token predicted, label exists); train mask additionally needs
+    the target argmax of L_{t+1+k} inside the draft vocabulary.
+    """
+    accuracy = torch.stack([shift_left(loss_mask, 2 + k, False) for k in range(num_steps)])
+    train = accuracy & torch.stack([shift_left(in_vocab, 1 + k, False) for k in range(num_steps)])
+    return train, accuracy
+
+
+def position_ids(batch: int, seq_len: int, step: int, device: Any = None) -> torch.Tensor:
+    """(B, T) position ids t + step (see module docstring)."""
+    return (torch.arange(seq_len, device=device) + step).expand(batch, seq_len)
+
+
+def ttt_attention_mask(seq_len: int, step: int, device: Any = None) -> torch.Tensor:
+    """(T, (step+1)*T) bool over the keys of steps 0..step concatenated; True = attend.
+
+    Step-0 keys: causal (key position <= query position); keys of steps 1..step: same position only.
+    """
+    query = torch.arange(seq_len, device=device)[:, None]  # (T, 1)
+    key = torch.arange((step + 1) * seq_len, device=device)[None, :]  # (1, S)
+    block, key_pos = key // seq_len, key % seq_len
+    return torch.where(block == 0, key_pos <= query, key_pos == query)
+
+
+def ttt_block_mask(seq_len: int, step: int, device: Any = None) -> Any:
+    """The same mask as `ttt_attention_mask`, as a flex-attention BlockMask (fully masked blocks skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        key_pos = kv % seq_len
+        return ((kv < seq_len) & (key_pos <= q)) | ((kv >= seq_len) & (key_pos == q))
+
+    return create_block_mask(mask_mod, None, None, seq_len, (step + 1) * seq_len, device=device)
+
+
+# --- labels and loss ------------------------------------------------------------------------
+def soft_labels(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits (B, T, V), t2d (V,) bool -> (probs over draft columns (B, T, Vd) fp32, in_vocab (B, T))."""
+    in_vocab = t2d[target_logits.argmax(-1)]  # (B, T)
+    probs = torch.softmax(target_logits[..., t2d].float(), dim=-1)  # (B, T, Vd)
+    return probs, in_vocab
+
+
+@torch.no_grad()
+def soft_labels_from_hidden(
+    final: torch.Tensor,  # (B, T, H) target final-norm output
+    lm_head_weight: torch.Tensor,  # (V, H) target lm_head
+    t2d: torch.Tensor,  # (V,) bool
+    chunk_tokens: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`soft_labels(final @ W.T, t2d)` computed over token chunks, never holding all (B*T, V) logits."""
+    b, t, h = final.shape
+    flat = final.reshape(b * t, h).to(lm_head_weight.dtype)
+    probs, in_vocab = [], []
+    for start in range(0, b * t, chunk_tokens):
+        logits = flat[start : start + chunk_tokens] @ lm_head_weight.T  # (n, V)
+        p, v = soft_labels(logits[None], t2d)
+        probs.append(p[0])
+        in_vocab.append(v[0])
+    return torch.cat(probs).view(b, t, -1), torch.cat(in_vocab).view(b, t)
+
+
+def soft_cross_entropy_sum(
+    logits: torch.Tensor,  # (B, T, Vd) drafter logits
+    probs: torch.Tensor,  # (B, T, Vd) target probabilities
+    mask: torch.Tensor,  # (B, T) bool
+) -> torch.Tensor:
+    """Sum over masked positions of -sum_v p_v log q_v (fp32 scalar)."""
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    per_position = -(probs * log_q).sum(-1)  # (B, T)
+    return (per_position * mask).sum()
+
+
+@dataclass
+class TTTResult:
+    """Per-step sums; normalise with the counts (after all-reducing them in distributed runs)."""
+
+    loss: torch.Tensor  # scalar: sum_k w_k * loss_sums[k] / denominators[k]
+    loss_sums: torch.Tensor  # (K,) summed soft CE of each step over its train mask
+    correct: torch.Tensor  # (K,) top-1 matches with the target argmax on the accuracy mask
+    train_counts: torch.Tensor  # (K,) positions in each step's train mask
+    accuracy_counts: torch.Tensor  # (K,) positions in each step's accuracy mask
+
+
+def combine_steps(
+    loss_sums: list[torch.Tensor], correct: list[torch.Tensor], train: torch.Tensor, accuracy: torch.Tensor,
+    decay: float, denominators: torch.Tensor | None,
+) -> TTTResult:
+    loss_sums_t, correct_t = torch.stack(loss_sums), torch.stack(correct)
+    train_counts = train.sum(dim=(1, 2)).float()
+    if denominators is None:
+        denominators = train_counts.clamp(min=1.0)
+    weights = step_weights(len(loss_sums), decay).to(loss_sums_t.device)
+    loss = (weights * loss_sums_t / denominators.to(loss_sums_t.device)).sum()
+    return TTTResult(loss, loss_sums_t.detach(), correct_t, train_counts, accuracy.sum(dim=(1, 2)).float())
+
+
+def _correct(logits: torch.Tensor, probs: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+    return ((logits.argmax(-1) == probs.argmax(-1)) & train).sum().float()
+
+
+# --- efficient TTT --------------------------------------------------------------------------
+def ttt_forward(
+    drafter: Any,  # Eagle3Drafter
+    aux: torch.Tensor,  # (B, T, 3*H_target) target aux states
+    input_ids: torch.Tensor,  # (B, T) raw token ids x_t
+    loss_mask: torch.Tensor,  # (B, T) bool, assistant tokens (False on padding)
+    probs: torch.Tensor,  # (B, T, Vd) soft labels at each position (softmax of L_t over draft columns)
+    in_vocab: torch.Tensor,  # (B, T) bool, argmax L_t in the draft vocabulary
+    num_steps: int = DEFAULT_STEPS,
+    decay: float = DEFAULT_DECAY,
+    attention: str = "sdpa",  # "sdpa" (boolean mask) or "flex" (block mask)
+    denominators: torch.Tensor | None = None,  # (K,) loss normalisers; default: local train counts
+) -> TTTResult:
+    """K unrolled drafter steps, one attention call per step over the keys of steps 0..k."""
+    b, t = input_ids.shape
+    train, accuracy = step_masks(loss_mask, in_vocab, num_steps)
+    hidden = drafter.fuse(aux)  # (B, T, H)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    loss_sums, correct = [], []
+    for k in range(num_steps):
+        if attention == "flex":
+            mask: Any = ttt_block_mask(t, k, input_ids.device)
+        else:
+            mask = ttt_attention_mask(t, k, input_ids.device)[None, None]  # (1, 1, T, (k+1)T)
+        past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None  # 2 x (B, nkv, kT, D)
+        ids_k = shift_left(input_ids, 1 + k, 0)
+        hidden, logits, (key, value) = drafter(hidden, ids_k, position_ids(b, t, k, input_ids.device), past, mask)
+        keys.append(key)
+        values.append(value)
+        probs_k = shift_left(probs, 1 + k, 0.0)
+        loss_sums.append(soft_cross_entropy_sum(logits, probs_k, train[k]))
+        with torch.no_grad():
+            correct.append(_correct(logits, probs_k, train[k]))
+    return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
+
+
+# --- naive reference ------------------------------------------------------------------------
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _cos_sin(drafter: Any, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    rotary = drafter.rotary_emb
+    freqs = pos[..., None].float() * rotary.inv_freq.float()  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, D)
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]  # (B, 1, T, D)
+
+
+def reference_step(
+    drafter: Any,
+    hidden: torch.Tensor,  # (B, T, H)
+    input_ids: torch.Tensor,  # (B, T) shifted ids of this step
+    pos: torch.Tensor,  # (B, T)
+    cache: list[tuple[torch.Tensor, torch.Tensor]],  # keys/values (B, nkv, T, D) of steps 0..k-1
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One TTT step written out by hand (norms, RoPE, attention over step caches, SwiGLU, head)."""
+    cfg, layer = drafter.config, drafter.midlayer
+    attn, eps = layer.self_attn, cfg.rms_norm_eps
+    assert cfg.hidden_act == "silu", "the reference step implements SwiGLU only"
+    b, t, _ = hidden.shape
+    nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    embeds = drafter.embed_tokens.weight[input_ids].to(hidden.dtype)  # (B, T, H)
+    normed_hidden = _rms_norm(hidden, layer.hidden_norm.weight, eps)
+    residual = normed_hidden if layer.norm_before_residual else hidden
+    x = torch.cat([_rms_norm(embeds, layer.input_layernorm.weight, eps), normed_hidden], dim=-1)  # (B, T, 2H)
+    cos, sin = _cos_sin(drafter, pos, x.dtype)
+    q = _rotate((x @ attn.q_proj.weight.T).view(b, t, nh, d).transpose(1, 2), cos, sin)  # (B, nh, T, D)
+    k = _rotate((x @ attn.k_proj.weight.T).view(b, t, nkv, d).transpose(1, 2), cos, sin)  # (B, nkv, T, D)
+    v = (x @ attn.v_proj.weight.T).view(b, t, nkv, d).transpose(1, 2)  # (B, nkv, T, D)
+    steps = [*cache, (k, v)]
+    group = nh // nkv
+    keys = [s[0].repeat_interleave(group, dim=1) for s in steps]  # each (B, nh, T, D)
+    values = [s[1].repeat_interleave(group, dim=1) for s in steps]
+    causal = (q @ keys[0].transpose(-1, -2)) / math.sqrt(d)  # (B, nh, T, T) step-0 keys
+    causal = causal.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    diagonal = [(q * key).sum(-1, keepdim=True) / math.sqrt(d) for key in keys[1:]]  # each (B, nh, T, 1)
+    scores = torch.cat([causal, *diagonal], dim=-1)  # (B, nh, T, T + k)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    out = weights[..., :t] @ values[0]  # (B, nh, T, D)
+    for j, value in enumerate(values[1:]):
+        out = out + weights[..., t + j : t + j + 1] * value
+    out = out.transpose(1, 2).reshape(b, t, nh * d) @ attn.o_proj.weight.T  # (B, T, H)
+    hidden_out = residual + out
+    mlp = layer.mlp
+    y = _rms_norm(hidden_out, layer.post_attention_layernorm.weight, eps)
+    hidden_out = hidden_out + (F.silu(y @ mlp.gate_proj.weight.T) * (y @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    logits = _rms_norm(hidden_out, drafter.norm.weight, eps) @ drafter.lm_head.weight.T  # (B, T, Vd)
+    return hidden_out, logits, (k, v)
+
+
+def naive_ttt_forward(
+    drafter: Any, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, probs: torch.Tensor,
+    in_vocab: torch.Tensor, num_steps: int = DEFAULT_STEPS, decay: float = DEFAULT_DECAY,
+    denominators: torch.Tensor | None = None,
+) -> TTTResult:
+    """Reference TTT: explicit per-step shifting and key/value caches, `reference_step` for the math."""
+    b, t = input_ids.shape
+    train, accuracy = step_masks(loss_mask, in_vocab, num_steps)
+    hidden = aux @ drafter.fc.weight.T  # (B, T, H)
+    cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ids, labels = input_ids, probs
+    loss_sums, correct = [], []
+    for k in range(num_steps):
+        ids, labels = shift_left(ids, 1, 0), shift_left(labels, 1, 0.0)  # one more place each step
+        hidden, logits, kv = reference_step(drafter, hidden, ids, position_ids(b, t, k, ids.device), cache)
+        cache.append(kv)
+        loss_sums.append(soft_cross_entropy_sum(logits, labels, train[k]))
+        correct.append(_correct(logits.detach(), labels, train[k]))
+    return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
+
+
+def expected_acceptance(accuracy: list[float]) -> float:
+    """tau estimate = 1 + sum_k prod_{j<=k} acc_j (acc_j: top-1 accuracy of TTT position j)."""
+    tau, running = 1.0, 1.0
+    for acc in accuracy:
+        running *= acc
+        tau += running
+    return tau
