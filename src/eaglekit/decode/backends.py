@@ -1,0 +1,127 @@
+"""Eager reference backends: any Hugging Face causal LM as the target, the eaglekit drafter with a
+growing KV cache. The fast static-cache backends in `eaglekit.decode.static` have the same methods.
+
+Target backend:  forward(ids (T,), positions (T,), mask (T, T) bool over the new tokens) ->
+                 (logits (T, V), aux (T, 3H) or None); keep(nodes) compacts the cache so that of the
+                 last forward only those tokens remain, in that order.
+Drafter backend: extend(aux (T, 3H_t), next_ids (T,), positions (T,)) -> (hidden (T, H), logits (T, Vd))
+                 appends target-feature positions to the stable cache and drops earlier draft slots;
+                 draft(hidden (k, H), ids (k,), positions (k,), visible (k, E+k) bool over draft slots)
+                 -> (hidden (k, H), logits (k, Vd)).
+
+Tree verification in one HF forward: transformers 5 returns a 4D `attention_mask` unchanged
+(`masking_utils._preprocess_mask_arguments`), so we pass a float mask (0 = attend, dtype min = not)
+of shape (1, 1, T, past + T), which SDPA and eager attention both add to the scores.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from eaglekit.errors import EaglekitError
+from eaglekit.target.capture import HiddenStateCapture
+
+
+def make_hf_cache(model: torch.nn.Module):
+    """A fresh `DynamicCache` for `model` (config-aware where this transformers version allows)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def compact_hf_cache(cache, keep: torch.Tensor) -> None:
+    """Keep only sequence positions `keep` (S',) of every layer of an HF cache, in place."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            if getattr(layer, "is_sliding", False):
+                raise EaglekitError("sliding-window cache layers cannot be compacted yet; decode with method=plain")
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+        return
+    for i in range(len(cache.key_cache)):  # older cache layout
+        cache.key_cache[i] = cache.key_cache[i].index_select(-2, keep)
+        cache.value_cache[i] = cache.value_cache[i].index_select(-2, keep)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(T, S) bool (True = attend) -> (1, 1, T, S) float: 0 where attended, dtype min elsewhere."""
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill(~mask, torch.finfo(dtype).min)[None, None]
+
+
+class HFTarget:
+    """Reference target backend: the loaded HF model, its DynamicCache, aux states by hooks."""
+
+    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...] | None):
+        self.model = model
+        self.aux_layers = aux_layers
+        self.cache = make_hf_cache(model)
+        self.length = 0  # tokens in the cache
+        self.last_length = 0  # tokens the last forward added
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        # transformers >= 5.2x names the cache kwarg `cache`; earlier 5.x `past_key_values`
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        prefix = torch.ones(ids.shape[0], self.length, dtype=torch.bool, device=ids.device)
+        full = additive_mask(torch.cat([prefix, mask], dim=1), self.dtype)  # (1, 1, T, S+T)
+        kwargs = dict(input_ids=ids[None], position_ids=positions[None], attention_mask=full,
+                      use_cache=True, **{self.cache_kwarg: self.cache})
+        if self.aux_layers is None:
+            logits, aux = self.model(**kwargs).logits[0], None
+        else:
+            with HiddenStateCapture(self.model, self.aux_layers, capture_final=False) as capture:
+                logits = self.model(**kwargs).logits[0]
+                aux = capture.aux()[0]  # (T, 3H)
+        self.length += ids.shape[0]
+        self.last_length = ids.shape[0]
+        return logits, aux
+
+    def keep(self, nodes: list[int]) -> None:
+        base = self.length - self.last_length
+        keep = torch.cat([torch.arange(base, device=self.device), base + torch.tensor(nodes, device=self.device)])
+        compact_hf_cache(self.cache, keep)
+        self.length = base + len(nodes)
+        self.last_length = len(nodes)
+
+
+class EagerDrafter:
+    """Reference drafter backend: concatenated KV tensors, stable part plus this round's draft slots."""
+
+    def __init__(self, drafter: torch.nn.Module):
+        self.drafter = drafter
+        self.stable: tuple[torch.Tensor, torch.Tensor] | None = None  # 2 x (1, nkv, S, D)
+        self.draft: tuple[torch.Tensor, torch.Tensor] | None = None  # 2 x (1, nkv, E, D)
+
+    @property
+    def stable_length(self) -> int:
+        return 0 if self.stable is None else self.stable[0].shape[2]
+
+    def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
+        from eaglekit.decode.tree import causal_mask
+
+        feature = self.drafter.fuse(aux.to(next(self.drafter.parameters()).dtype))[None]  # (1, T, H)
+        mask = causal_mask(next_ids.shape[0], self.stable_length, next_ids.device)[None, None]
+        hidden, logits, (k, v) = self.drafter(feature, next_ids[None], positions[None], self.stable, mask)
+        self.stable = (k, v) if self.stable is None else (torch.cat([self.stable[0], k], 2), torch.cat([self.stable[1], v], 2))
+        self.draft = None
+        return hidden[0], logits[0]
+
+    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        past = self.stable
+        if self.draft is not None:
+            past = (torch.cat([self.stable[0], self.draft[0]], 2), torch.cat([self.stable[1], self.draft[1]], 2))
+        prefix = torch.ones(ids.shape[0], self.stable_length, dtype=torch.bool, device=ids.device)
+        mask = torch.cat([prefix, visible], dim=1)[None, None]  # (1, 1, k, S + E + k)
+        out, logits, (k, v) = self.drafter(hidden[None], ids[None], positions[None], past, mask)
+        self.draft = (k, v) if self.draft is None else (torch.cat([self.draft[0], k], 2), torch.cat([self.draft[1], v], 2))
+        return out[0], logits[0]

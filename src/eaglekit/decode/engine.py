@@ -1,0 +1,212 @@
+"""The decode loop: plain, EAGLE-3 chain and EAGLE-3 dynamic-tree speculative decoding, batch 1.
+
+One speculative step:
+1. the drafter, fed the target's fused aux states of the tokens accepted last step (its stable KV
+   cache grows by exactly those positions), drafts a chain or an EAGLE-2 tree from the last one;
+2. ONE target forward verifies the root (the last produced token) and every draft node under a tree
+   attention mask, capturing the aux states of all nodes;
+3. `verify_greedy` / `verify_sampling` pick the accepted path and the bonus token;
+4. the target cache keeps only the accepted nodes' KV entries; the drafter's draft slots are dropped
+   and re-made next step from the target's states (what the drafter was trained on).
+
+Positions: the root sits at position m (the number of tokens the target has cached); a node at depth
+d at m + d. The drafter step for position t reads (feature of t, token t+1), so a depth-d node is fed
+at drafter position m + d - 1 with its parent's output hidden state.
+The loop is shared by the eager reference backends (`backends.py`) and the static fast path
+(`static.py`); host synchronisation is one small transfer per step (the accepted path), which the
+variable-length output and the EOS check need.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eaglekit.decode.sampling import choose, draft_probs_to_target, logits_to_probs, sample
+from eaglekit.decode.tree import (
+    DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier,
+)
+from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampling
+from eaglekit.errors import EaglekitError
+
+METHODS = ("tree", "chain", "plain")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    method: str = "tree"  # tree | chain | plain
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # sampling filter on the target (and chain drafts); 0 = off
+    top_p: float = 1.0
+    depth: int = 6  # tree: draft levels
+    tree_top_k: int = 8  # tree: children per expanded node, and nodes expanded per level
+    total_tokens: int = 48  # tree: draft nodes verified per step (root excluded)
+    chain_length: int = 4  # chain: drafts per step
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise EaglekitError(f"unknown decode method '{self.method}'; use one of {', '.join(METHODS)}")
+        if min(self.depth, self.tree_top_k, self.total_tokens, self.chain_length) < 1:
+            raise EaglekitError("depth, tree_top_k, total_tokens and chain_length must all be >= 1")
+
+    @property
+    def draft_depth(self) -> int:
+        return self.chain_length if self.method == "chain" else self.depth
+
+
+@dataclass
+class DecodeStats:
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verify step
+    max_drafts: int = 0  # longest path a step could accept
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    target_forwards: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per verify forward (accepted drafts + the bonus token)."""
+        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+    def acceptance_per_position(self) -> list[float]:
+        """[i] = fraction of steps whose draft at position i (0-based) was accepted."""
+        steps = max(len(self.accepted), 1)
+        return [sum(a > i for a in self.accepted) / steps for i in range(self.max_drafts)]
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau, "steps": len(self.accepted), "target_forwards": self.target_forwards,
+                "acceptance_per_position": self.acceptance_per_position(),
+                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]  # new tokens only
+    finish_reason: str  # "eos" | "length"
+    stats: DecodeStats
+
+
+def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor,
+          start: int, options: DecodeOptions, vocab_size: int, generator: torch.Generator | None) -> DraftTree:
+    """Grow a chain or EAGLE-2 tree from the root. root_hidden (H,), root_logits (Vd,), root_token ()."""
+    chain = options.method == "chain"
+    width, depth = (1, options.chain_length) if chain else (options.tree_top_k, options.depth)
+    sampled = chain and options.temperature > 0
+    device = root_logits.device
+    all_draft_ids = drafter.draft_to_target(torch.arange(root_logits.shape[-1], device=device))  # (Vd,)
+    f_hidden, f_logits = root_hidden[None], root_logits[None]  # (k, H), (k, Vd) of the frontier nodes
+    f_scores = torch.zeros(1, device=device)
+    f_pool = torch.full((1,), -1, dtype=torch.long, device=device)  # pool index, -1 = root
+    f_slot = torch.full((1,), -1, dtype=torch.long, device=device)  # drafter draft slot, -1 = root
+    ancestry = torch.zeros(0, 0, dtype=torch.bool, device=device)
+    pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "parents": [], "depths": [], "q": []}
+    offset = 0
+    for level in range(1, depth + 1):
+        if sampled:
+            q = logits_to_probs(f_logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
+            ids, scores, slots = sample(q, generator), f_scores, torch.zeros(1, dtype=torch.long, device=device)
+            pool["q"].append(draft_probs_to_target(q, all_draft_ids, vocab_size))
+        else:
+            ids, scores, slots = expand_candidates(f_scores, torch.log_softmax(f_logits.float(), -1), width)
+        tokens = all_draft_ids[ids]
+        pool["tokens"].append(tokens)
+        pool["scores"].append(scores)
+        pool["parents"].append(f_pool[slots])
+        pool["depths"].append(torch.full_like(tokens, level))
+        if level == depth:
+            break
+        pick = next_frontier(scores, width)  # (k,) candidates to feed to the drafter
+        parent = slots[pick]
+        ancestry = extend_ancestry(ancestry, f_slot[parent])
+        used = ancestry.shape[0] - pick.shape[0]
+        positions = torch.full_like(pick, start + level - 1)
+        f_hidden, f_logits = drafter_backend.draft_step(f_hidden[parent], tokens[pick], positions, ancestry[used:])
+        f_scores, f_pool = scores[pick], offset + pick
+        f_slot = used + torch.arange(pick.shape[0], device=device)
+        offset += tokens.shape[0]
+    cat = {k: torch.cat(v) for k, v in pool.items() if v}
+    tree = build_tree(root_token, cat["tokens"], cat["scores"], cat["parents"], cat["depths"],
+                      min(options.total_tokens if not chain else depth, cat["tokens"].shape[0]))
+    if sampled:
+        tree.draft_probs = torch.cat([torch.zeros_like(cat["q"][:1]), cat["q"]])  # chain keeps every node
+    return tree
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, options: DecodeOptions, generator) -> Verdict:
+    """logits (N, V) of the target after each node -> accepted path and bonus token."""
+    if options.temperature <= 0:
+        ancestors = ancestor_matrix(tree.parents, options.draft_depth)
+        return verify_greedy(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
+    probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
+    return verify_sampling(tree.tokens, tree.parents, probs, tree.draft_probs, generator)
+
+
+class _Output:
+    """Collects new tokens, stopping at the first EOS or at the length budget."""
+
+    def __init__(self, max_new_tokens: int, eos: tuple[int, ...]):
+        self.tokens: list[int] = []
+        self.max_new_tokens, self.eos = max_new_tokens, set(eos)
+        self.finish_reason = ""
+
+    def add(self, tokens: list[int]) -> bool:
+        """Append; True when generation is over."""
+        for token in tokens:
+            self.tokens.append(token)
+            if token in self.eos:
+                self.finish_reason = "eos"
+                return True
+            if len(self.tokens) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                return True
+        return False
+
+
+def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int], max_new_tokens: int,
+                options: DecodeOptions, vocab_size: int) -> GenerateResult:
+    """Run plain or speculative decoding on prepared backends (see module docstring)."""
+    device = target_backend.device
+    generator = torch.Generator(device=device).manual_seed(options.seed)
+    stats = DecodeStats(max_drafts=0 if options.method == "plain" else options.draft_depth)
+    out = _Output(max_new_tokens, options.eos_token_ids)
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    n = prompt.shape[0]
+    start_time = time.perf_counter()
+    logits, aux = target_backend.forward(prompt, torch.arange(n, device=device),
+                                         torch.ones(n, n, dtype=torch.bool, device=device).tril())
+    token = choose(logits[-1], options.temperature, options.top_k, options.top_p, generator)  # ()
+    stats.target_forwards += 1
+    done = out.add([int(token)])
+    stats.prefill_seconds = time.perf_counter() - start_time
+    m = n
+    if not done and options.method == "plain":
+        one = torch.ones(1, 1, dtype=torch.bool, device=device)
+        while not done:
+            logits, _ = target_backend.forward(token.reshape(1), torch.full((1,), m, device=device), one)
+            token = choose(logits[-1], options.temperature, options.top_k, options.top_p, generator)
+            stats.target_forwards += 1
+            m += 1
+            done = out.add([int(token)])
+    elif not done:
+        hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
+                                                      torch.arange(n, device=device))
+        while not done:
+            tree = draft(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options, vocab_size, generator)
+            logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestor_matrix(tree.parents, options.draft_depth))
+            stats.target_forwards += 1
+            verdict = verify(tree, logits, options, generator)
+            stats.accepted.append(verdict.num_accepted)
+            target_backend.keep(verdict.path)
+            done = out.add(verdict.tokens + [verdict.bonus])
+            if done:
+                break
+            path = torch.tensor(verdict.path, device=device)
+            token = torch.tensor(verdict.bonus, device=device)
+            next_ids = torch.cat([tree.tokens[path[1:]], token.reshape(1)])
+            hidden, draft_logits = drafter_backend.extend(aux[path], next_ids, m + torch.arange(len(verdict.path), device=device))
+            m += len(verdict.path)
+    stats.decode_seconds = time.perf_counter() - start_time - stats.prefill_seconds
+    return GenerateResult(tokens=out.tokens, finish_reason=out.finish_reason, stats=stats)

@@ -1,0 +1,132 @@
+"""Draft trees: EAGLE-2 dynamic tree growth, node selection, ancestry and the tree attention mask.
+
+Pure tensor functions, no model calls; the decode loop in `eaglekit.decode.engine` feeds them the
+drafter's logits. A tree is stored flat, parents before children:
+
+    tokens  (N,) target-vocab ids; node 0 is the root (the last token the target produced)
+    parents (N,) index of each node's parent, -1 for the root
+    depths  (N,) 0 for the root; a node at depth d sits at sequence position start + d
+
+A chain of k drafts is the tree with parents [-1, 0, 1, ..., k-1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # (N,) long, target vocabulary, root first
+    parents: torch.Tensor  # (N,) long, -1 for the root
+    depths: torch.Tensor  # (N,) long
+    draft_probs: torch.Tensor | None = None  # (N, V) distribution node i was drawn from (sampled chains); None = deterministic
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def chain_parents(num_drafts: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(k+1,) parents of a root followed by a chain of k drafts."""
+    return torch.arange(-1, num_drafts, device=device)
+
+
+def expand_candidates(
+    frontier_scores: torch.Tensor,  # (k,) cumulative log-prob of the nodes being expanded
+    child_logprobs: torch.Tensor,  # (k, Vd) drafter log-probs of each node's next token
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k children of every frontier node -> (draft ids (k*top_k,), cumulative scores (k*top_k,),
+    frontier slot of each candidate's parent (k*top_k,)). Children of node j come as a block, best first."""
+    values, ids = torch.topk(child_logprobs, top_k, dim=-1)  # (k, top_k)
+    scores = frontier_scores[:, None] + values  # (k, top_k)
+    slots = torch.arange(frontier_scores.shape[0], device=ids.device)[:, None].expand_as(ids)
+    return ids.reshape(-1), scores.reshape(-1), slots.reshape(-1)
+
+
+def next_frontier(candidate_scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Indices of the `top_k` best candidates (by cumulative log-prob) to expand at the next depth."""
+    k = min(top_k, candidate_scores.shape[0])
+    return torch.topk(candidate_scores, k).indices
+
+
+def select_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """The `total_tokens` best pool entries by cumulative log-prob, as ascending pool indices.
+
+    Pool entries are appended depth by depth, so a parent has a lower index than its children and a
+    score no smaller (log-probs are <= 0). A stable descending sort breaks ties by lower index, hence
+    every kept node's parent is kept too: the selection is a tree.
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:total_tokens]
+    return torch.sort(order).values
+
+
+def build_tree(
+    root_token: torch.Tensor,  # () target id of the root
+    pool_tokens: torch.Tensor,  # (P,) target ids
+    pool_scores: torch.Tensor,  # (P,)
+    pool_parents: torch.Tensor,  # (P,) pool index of the parent, -1 for children of the root
+    pool_depths: torch.Tensor,  # (P,) 1 for children of the root
+    total_tokens: int,
+) -> DraftTree:
+    """Keep the best `total_tokens` pool nodes and re-index them as a flat tree rooted at node 0."""
+    keep = select_nodes(pool_scores, total_tokens)  # (N-1,) ascending pool indices
+    new_index = torch.full((pool_tokens.shape[0] + 1,), -1, dtype=torch.long, device=keep.device)
+    new_index[keep] = torch.arange(1, keep.shape[0] + 1, device=keep.device)
+    kept_parents = pool_parents[keep]
+    parents = torch.where(kept_parents < 0, torch.zeros_like(kept_parents), new_index[kept_parents.clamp(min=0)])
+    assert bool((parents >= 0).all()), "node selection must be closed under ancestry"
+    minus_one = torch.full((1,), -1, dtype=torch.long, device=keep.device)
+    return DraftTree(
+        tokens=torch.cat([root_token.reshape(1), pool_tokens[keep]]),
+        parents=torch.cat([minus_one, parents]),
+        depths=torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), pool_depths[keep]]),
+    )
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """(N, N) bool, [i, j] True when j is i itself or an ancestor of i. `max_depth` bounds the tree depth."""
+    n = parents.shape[0]
+    rows = torch.arange(n, device=parents.device)
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+    current = parents.clone()
+    for _ in range(max_depth):
+        valid = current >= 0
+        ancestors[rows[valid], current[valid]] = True
+        current = torch.where(valid, parents[current.clamp(min=0)], current)
+    return ancestors
+
+
+def tree_attention_mask(parents: torch.Tensor, max_depth: int, prefix_length: int) -> torch.Tensor:
+    """(N, prefix_length + N) bool, True = attend: every node sees the whole prefix and its ancestors."""
+    tree = ancestor_matrix(parents, max_depth)
+    prefix = torch.ones(parents.shape[0], prefix_length, dtype=torch.bool, device=parents.device)
+    return torch.cat([prefix, tree], dim=1)
+
+
+def causal_mask(new_length: int, prefix_length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(T, prefix_length + T) bool causal mask for T new tokens after a prefix."""
+    tri = torch.ones(new_length, new_length, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(new_length, prefix_length, dtype=torch.bool, device=device), tri], dim=1)
+
+
+def extend_ancestry(ancestry: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+    """Grow the (E, E) ancestry of expanded draft slots by k new slots whose parents are `parent_slots`
+    (k,) (-1 = the root, which has no slot) -> (E+k, E+k) bool, ancestors-or-self."""
+    e, k = ancestry.shape[0], parent_slots.shape[0]
+    device = parent_slots.device
+    grown = torch.zeros(e + k, e + k, dtype=torch.bool, device=device)
+    grown[:e, :e] = ancestry
+    if e:
+        inherited = ancestry[parent_slots.clamp(min=0)] & (parent_slots >= 0)[:, None]  # (k, E)
+        grown[e:, :e] = inherited
+    grown[e:, e:] = torch.eye(k, dtype=torch.bool, device=device)
+    return grown
+
+
+def accepted_positions(path: list[int], depths: torch.Tensor) -> list[int]:
+    """Depths of the accepted path's nodes; along a root-to-leaf path these are 0, 1, 2, ..."""
+    return [int(d) for d in depths[path].tolist()]

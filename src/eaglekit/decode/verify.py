@@ -1,0 +1,105 @@
+"""Verification of a drafted chain or tree against the target's logits at every node.
+
+Pure tensor functions, no model calls. Node i's target logits predict the token AFTER node i, so
+node c (child of p) is correct when it matches what the target produces after p.
+
+- Greedy: the deepest node whose whole root path is correct; the bonus token is the target's
+  argmax after it. Reproduces target greedy decoding token for token.
+- Sampling: at each node, the children are tried in order with recursive rejection sampling: child
+  x drawn from q is accepted with probability min(1, p(x) / q(x)); on rejection the target
+  distribution becomes norm(max(0, p - q)) and the next sibling is tried. When no child is accepted
+  (or the node is a leaf) the bonus token is drawn from the current residual. Deterministic children
+  (EAGLE-2 top-k trees) have q = one-hot, which makes the rule "accept with p(x), else remove x".
+  For one candidate per node this is the speculative-sampling rule of Leviathan et al. / Chen et al.;
+  for several it is SpecInfer's multi-draft rule. Either way the output follows the target exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaglekit.decode.sampling import sample
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted node indices, root first (len = accepted drafts + 1)
+    tokens: list[int]  # the accepted draft tokens (the path's nodes after the root)
+    bonus: int  # the target's own next token after the last accepted node
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def verify_greedy(
+    tokens: torch.Tensor,  # (N,) node tokens, root first
+    parents: torch.Tensor,  # (N,) -1 for the root
+    ancestors: torch.Tensor,  # (N, N) bool ancestors-or-self (`tree.ancestor_matrix`)
+    target_ids: torch.Tensor,  # (N,) target argmax after each node
+) -> Verdict:
+    """Longest correct root path, computed on the device with a single transfer to the host."""
+    correct = tokens == target_ids[parents.clamp(min=0)]  # (N,)
+    correct[0] = True  # the root is the target's own token
+    path_ok = ~(ancestors & ~correct[None, :]).any(dim=1)  # (N,) every ancestor-or-self correct
+    depth = ancestors.sum(dim=1)  # (N,) 1 + depth
+    best = torch.argmax(torch.where(path_ok, depth, torch.zeros_like(depth)))  # first deepest correct node
+    n = tokens.shape[0]
+    packed = torch.cat([ancestors[best].long(), tokens, target_ids[best].reshape(1)])  # one host sync below
+    host = packed.tolist()
+    path = [i for i, on in enumerate(host[:n]) if on]
+    return Verdict(path=path, tokens=[host[n + i] for i in path[1:]], bonus=int(host[-1]))
+
+
+def recursive_rejection(
+    target_probs: torch.Tensor,  # (V,) p at the current node
+    candidates: list[int],  # sibling tokens, in the order they are tried
+    draft_probs: torch.Tensor | None,  # (j, V) the distribution each sibling was drawn from; None = one-hot
+    generator: torch.Generator | None = None,
+) -> tuple[int, torch.Tensor]:
+    """Try the siblings in order -> (index of the accepted sibling or -1, residual distribution (V,))."""
+    p = target_probs.float()
+    uniforms = torch.rand(len(candidates), generator=generator, device=p.device).tolist() if candidates else []
+    for i, token in enumerate(candidates):
+        q = draft_probs[i].float() if draft_probs is not None else None
+        q_token = float(q[token]) if q is not None else 1.0
+        p_token = float(p[token])
+        if q_token > 0 and uniforms[i] < min(1.0, p_token / q_token):
+            return i, p
+        if q is None:
+            residual = p.clone()
+            residual[token] = 0.0
+        else:
+            residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        if total <= 0.0:  # p == q up to rounding: nothing left to reject towards; keep p
+            continue
+        p = residual / total
+    return -1, p
+
+
+def verify_sampling(
+    tokens: torch.Tensor,  # (N,) node tokens, root first
+    parents: torch.Tensor,  # (N,)
+    target_probs: torch.Tensor,  # (N, V) processed target distribution after each node
+    draft_probs: torch.Tensor | None = None,  # (N, V) distribution node i was drawn from; None = deterministic
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Walk down the tree with recursive rejection sampling over each node's children."""
+    token_list, parent_list = tokens.tolist(), parents.tolist()
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parent_list):
+        if parent >= 0:
+            children.setdefault(parent, []).append(node)
+    node, path = 0, [0]
+    while True:
+        kids = children.get(node, [])
+        rows = draft_probs[kids] if (draft_probs is not None and kids) else None
+        chosen, residual = recursive_rejection(target_probs[node], [token_list[c] for c in kids], rows, generator)
+        if chosen < 0:
+            bonus = int(sample(residual, generator))
+            return Verdict(path=path, tokens=[token_list[i] for i in path[1:]], bonus=bonus)
+        node = kids[chosen]
+        path.append(node)

@@ -1,0 +1,79 @@
+"""Tiny target and drafter builders shared by the decode tests (not a test module)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+from eaglekit.target.capture import default_aux_layers
+
+VOCAB = 96
+
+
+def tiny_target(kind: str, seed: int = 0) -> nn.Module:
+    """A tiny random HF causal LM: llama | qwen3_moe | deepseek_v3 | qwen3."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    if kind == "llama":
+        config = tf.LlamaConfig(**common)
+    elif kind == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=8)
+    elif kind == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    elif kind == "deepseek_v3":
+        config = tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    else:
+        raise ValueError(kind)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # sharper logits than the default init: fewer near-ties, more structure
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def random_drafter(target: nn.Module, seed: int = 1) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    config = target.config
+    layers = config.num_hidden_layers
+    drafter = Eagle3Drafter(DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        draft_vocab_size=64, target_hidden_size=config.hidden_size, aux_layer_ids=default_aux_layers(layers)))
+    drafter.set_vocab_mapping(torch.arange(0, 2 * 64, 2) % VOCAB if 2 * 64 <= VOCAB else torch.arange(64) + 7)
+    drafter.load_target_embedding(target.get_input_embeddings().weight)
+    return drafter.eval()
+
+
+class OracleDrafter(nn.Module):
+    """A drafter stand-in whose top-1 guess at position p is `sequence[p + 2]` (the target's greedy
+    continuation, computed beforehand): every greedy draft is accepted. Other candidates are random."""
+
+    def __init__(self, sequence: list[int], num_layers: int, vocab_size: int = VOCAB, seed: int = 2):
+        super().__init__()
+        self.sequence = sequence
+        self.vocab_size = vocab_size
+        self.fc = nn.Linear(1, 1, bias=False)
+        self.config = type("C", (), {"aux_layer_ids": default_aux_layers(num_layers), "aux_layer_convention": "input_of_layer"})
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux[..., :4]
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def forward(self, hidden, input_ids, position_ids, past_kv=None, mask=None):
+        b, t = input_ids.shape
+        logits = torch.randn(b, t, self.vocab_size, generator=self.generator)
+        for j, p in enumerate(position_ids[0].tolist()):
+            if p + 2 < len(self.sequence):
+                logits[0, j, self.sequence[p + 2]] = 20.0
+        kv = torch.zeros(b, 1, t, 1)
+        return hidden, logits, (kv, kv)
