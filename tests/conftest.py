@@ -16,3 +16,35 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def build_chat_target(directory) -> str:
+    """A tiny random Llama + byte-level BPE tokenizer with a chat template, saved to `directory`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|bos|>", "<|end|>", "<|pad|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog", "user assistant system hello world", "what is two plus two"]
+    tok.train_from_iterator(corpus * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
+                                        pad_token="<|pad|>", chat_template=template)
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def chat_target(tmp_path_factory) -> str:
+    """Directory of a tiny random chat model (config.json, weights, tokenizer with a chat template)."""
+    return build_chat_target(tmp_path_factory.mktemp("chat_target"))
