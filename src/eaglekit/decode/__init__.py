@@ -63,7 +63,11 @@ def generate(
         capacity = max_length or (len(prompt_ids) + max_new_tokens + width + 1)
         target_backend = StaticTarget(target, capacity, aux_layers, compile=compile)
         drafter_backend = None
-        if drafter is not None and method != "plain":
+        if drafter is not None and method != "plain" and not hasattr(drafter, "midlayer"):
+            from eaglekit.decode.backends import EagerDrafter  # a drafter stand-in (tests): reference backend
+
+            drafter_backend = EagerDrafter(drafter)
+        elif drafter is not None and method != "plain":
             slots = opts.chain_length if method == "chain" else opts.depth * opts.tree_top_k
             drafter_backend = StaticDrafter(drafter, capacity, slots, compile=compile)
     else:

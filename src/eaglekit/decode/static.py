@@ -1,0 +1,249 @@
+"""Fast path: preallocated (static) KV caches for Llama-family dense targets and the EAGLE-3 drafter.
+
+gpt-fast style: K/V buffers of fixed capacity written with `index_copy_` at explicit slots, SDPA with
+a boolean mask over the whole buffer (True = attend), RoPE tables precomputed once. The target
+forward reuses the loaded HF model's own modules (q/k/v/o projections, optional q_norm/k_norm,
+norms, MLP, embedding, lm_head), so no weights are copied and Llama, Mistral, Qwen2 (qkv bias) and
+Qwen3 (q/k norm) all run through it; anything else (MoE, MLA, sliding windows) uses the eager
+backend. With `compile=True` the fixed-shape steps (target verify / plain step, drafter tree steps)
+run under `torch.compile(mode="reduce-overhead")` (CUDA graphs on GPU); the prefill and the drafter's
+variable-length feature pass stay eager. Tests compare every output with the eager reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from eaglekit.errors import EaglekitError
+from eaglekit.target.capture import find_decoder, text_config
+
+_NEEDED = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _rotary_tables(rotary: nn.Module, capacity: int, dtype: torch.dtype, device: torch.device):
+    """cos, sin (capacity, D) from an HF rotary-embedding module (exact, including rope scaling)."""
+    positions = torch.arange(capacity, device=device)[None]
+    dummy = torch.zeros(1, capacity, 1, dtype=dtype, device=device)
+    cos, sin = rotary(dummy, positions)
+    return cos[0].to(dtype), sin[0].to(dtype)
+
+
+def _find_rotary(model: nn.Module) -> nn.Module:
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            return module
+    raise EaglekitError(f"{type(model).__name__} has no rotary_emb module; the static fast path needs a RoPE model (use backend=eager)")
+
+
+class StaticLlama(nn.Module):
+    """A static-KV-cache forward over a loaded HF Llama-family model's modules (weights shared)."""
+
+    def __init__(self, model: nn.Module, capacity: int, aux_layers: tuple[int, ...] | None):
+        super().__init__()
+        stack = find_decoder(model)
+        config = text_config(model.config)
+        for layer in stack.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if attn is None or not all(hasattr(attn, n) for n in _NEEDED) or not hasattr(mlp, "gate_proj"):
+                raise EaglekitError(f"{type(model).__name__} is not a Llama-family dense model (attention with q/k/v/o_proj and a gated MLP); use backend=eager")
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        if window is not None and window < capacity:
+            raise EaglekitError(f"sliding-window attention ({window}) is not supported by the static fast path; use backend=eager")
+        param = next(model.parameters())
+        self.layers, self.norm = stack.layers, stack.norm
+        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.aux_layers = aux_layers
+        self.capacity = capacity
+        cos, sin = _rotary_tables(_find_rotary(model), capacity, param.dtype, param.device)
+        self.register_buffer("cos", cos, persistent=False)  # (capacity, D)
+        self.register_buffer("sin", sin, persistent=False)
+        shape = (1, self.num_kv_heads, capacity, self.head_dim)
+        for i in range(len(self.layers)):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+
+    def caches(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+
+    def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask) -> torch.Tensor:
+        attn = layer.self_attn
+        t = x.shape[1]
+        q = attn.q_proj(x).view(1, t, self.num_heads, self.head_dim)  # (1, T, nh, D)
+        k = attn.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)  # (1, T, nkv, D)
+        v = attn.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, D)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (1, nh|nkv, T, D)
+        k_cache, v_cache = self.caches(i)
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+        scale = getattr(attn, "scaling", self.head_dim ** -0.5)
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)  # (1, nh, T, D)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, t, self.num_heads * self.head_dim))
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        slots: torch.Tensor,  # (T,) cache slots the new K/V are written to
+        mask: torch.Tensor,  # (1, 1, T, capacity) bool, True = attend
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> logits (T, V), aux states (T, 3H) in `aux_layers` order (None without aux layers)."""
+        x = self.embed(ids[None])  # (1, T, H)
+        cos, sin = self.cos[positions][None], self.sin[positions][None]  # (1, T, D)
+        states = {}
+        wanted = set(self.aux_layers or ())
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                states[i] = x
+            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, slots, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if len(self.layers) in wanted:
+            states[len(self.layers)] = x
+        logits = self.lm_head(self.norm(x))[0]  # (T, V)
+        aux = torch.cat([states[i] for i in self.aux_layers], dim=-1)[0] if self.aux_layers else None
+        return logits, aux
+
+
+def _compiled(fn, enabled: bool):
+    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False) if enabled else fn
+
+
+def _call(fn, compiled: bool, *args):
+    """Run a (possibly CUDA-graphed) step; outputs are cloned so the next replay cannot overwrite them."""
+    if not compiled:
+        return fn(*args)
+    torch.compiler.cudagraph_mark_step_begin()
+    return tuple(None if o is None else o.clone() for o in fn(*args))
+
+
+def _compact(buffers: list[torch.Tensor], base: int, nodes: list[int]) -> None:
+    """Move cache slots base + nodes to base, base+1, ... in every (1, nkv, S, D) buffer."""
+    device = buffers[0].device
+    src = base + torch.tensor(nodes, device=device)
+    dst = base + torch.arange(len(nodes), device=device)
+    for buffer in buffers:
+        buffer.index_copy_(2, dst, buffer.index_select(2, src))
+
+
+class StaticTarget:
+    """Target backend over `StaticLlama` (same methods as `backends.HFTarget`)."""
+
+    def __init__(self, model: nn.Module, capacity: int, aux_layers: tuple[int, ...] | None, compile: bool = False):
+        self.net = StaticLlama(model, capacity, aux_layers)
+        self.device = self.net.cos.device
+        self.capacity, self.length, self.last_length = capacity, 0, 0
+        self.compile = compile
+        self.step = _compiled(self.net, compile)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        t = ids.shape[0]
+        if self.length + t > self.capacity:
+            raise EaglekitError(f"static KV cache full ({self.capacity} slots); raise max_length")
+        full = torch.zeros(t, self.capacity, dtype=torch.bool, device=self.device)
+        full[:, : self.length] = True
+        full[:, self.length : self.length + t] = mask
+        slots = torch.arange(self.length, self.length + t, device=self.device)
+        use_compiled = self.compile and self.length > 0  # prefill (one variable shape) runs eagerly
+        fn = self.step if use_compiled else self.net
+        logits, aux = _call(fn, use_compiled, ids, positions, slots, full[None, None])
+        self.length += t
+        self.last_length = t
+        return logits, aux
+
+    def keep(self, nodes: list[int]) -> None:
+        base = self.length - self.last_length
+        buffers = [b for i in range(len(self.net.layers)) for b in self.net.caches(i)]
+        _compact(buffers, base, nodes)
+        self.length = base + len(nodes)
+        self.last_length = len(nodes)
+
+
+class _StaticDraftNet(nn.Module):
+    """One EAGLE-3 drafter step over a static KV cache (the drafter's own modules, weights shared)."""
+
+    def __init__(self, drafter: nn.Module, capacity: int, draft_slots: int):
+        super().__init__()
+        self.drafter = drafter
+        config = drafter.config
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.resolved_head_dim
+        param = drafter.fc.weight
+        cos, sin = _rotary_tables(drafter.rotary_emb, capacity, param.dtype, param.device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        shape = (1, self.num_kv_heads, capacity + draft_slots, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (T, H) fused feature or parent output hidden
+        ids: torch.Tensor,  # (T,) target-vocab ids of the next token
+        positions: torch.Tensor,  # (T,)
+        slots: torch.Tensor,  # (T,)
+        mask: torch.Tensor,  # (1, 1, T, capacity + draft_slots) bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same math as `DraftDecoderLayer.forward` -> (hidden_out (T, H), draft logits (T, Vd))."""
+        mid, t = self.drafter.midlayer, ids.shape[0]
+        hidden = hidden[None]  # (1, T, H)
+        embeds = self.drafter.embed_tokens(ids[None]).to(hidden.dtype)  # (1, T, H)
+        normed = mid.hidden_norm(hidden)
+        residual = normed if mid.norm_before_residual else hidden
+        x = torch.cat([mid.input_layernorm(embeds), normed], dim=-1)  # (1, T, 2H)
+        attn = mid.self_attn
+        q = attn.q_proj(x).view(1, t, self.num_heads, self.head_dim).transpose(1, 2)  # (1, nh, T, D)
+        k = attn.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, D)
+        v = attn.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, self.cos[positions][None], self.sin[positions][None])
+        self.k_cache.index_copy_(2, slots, k)
+        self.v_cache.index_copy_(2, slots, v)
+        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)  # (1, nh, T, D)
+        h = residual + attn.o_proj(out.transpose(1, 2).reshape(1, t, self.num_heads * self.head_dim))
+        h = h + mid.mlp(mid.post_attention_layernorm(h))
+        return h[0], self.drafter.lm_head(self.drafter.norm(h))[0]
+
+
+class StaticDrafter:
+    """Drafter backend over `_StaticDraftNet` (same methods as `backends.EagerDrafter`).
+
+    Slots [0, capacity) hold target-feature positions; [capacity, capacity + draft_slots) this step's drafts.
+    """
+
+    def __init__(self, drafter: nn.Module, capacity: int, draft_slots: int, compile: bool = False):
+        self.net = _StaticDraftNet(drafter, capacity, draft_slots)
+        self.device = self.net.cos.device
+        self.capacity, self.total = capacity, capacity + draft_slots
+        self.stable_length = 0
+        self.compile = compile
+        self.step = _compiled(self.net, compile)
+
+    def _mask(self, rows: int) -> torch.Tensor:
+        mask = torch.zeros(rows, self.total, dtype=torch.bool, device=self.device)
+        mask[:, : self.stable_length] = True
+        return mask
+
+    def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
+        t = next_ids.shape[0]
+        feature = self.net.drafter.fuse(aux.to(self.net.cos.dtype))  # (T, H)
+        mask = self._mask(t)
+        mask[:, self.stable_length : self.stable_length + t] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        slots = torch.arange(self.stable_length, self.stable_length + t, device=self.device)
+        hidden, logits = self.net(feature, next_ids, positions, slots, mask[None, None])  # variable T: eager
+        self.stable_length += t
+        return hidden, logits
+
+    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        k, used = ids.shape[0], visible.shape[1] - ids.shape[0]
+        mask = self._mask(k)
+        mask[:, self.capacity : self.capacity + used + k] = visible
+        slots = self.capacity + used + torch.arange(k, device=self.device)
+        return _call(self.step, self.compile, hidden, ids, positions, slots, mask[None, None])
