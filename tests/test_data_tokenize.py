@@ -113,3 +113,33 @@ def test_trim_and_offsets():
     # tokens: [0,1) [1,6) [6,7) [7,8); span [1,6) -> only token 2 learned; a token straddling a span edge is learned
     assert mask_from_offsets([(0, 1), (1, 6), (6, 7), (7, 8)], [(1, 6)]) == [0, 1, 0, 0]
     assert mask_from_offsets([(0, 2), (2, 4), (4, 8)], [(1, 3), (7, 8)]) == [1, 1, 1]
+
+
+class _SlowView:
+    """A tokenizer without offsets (like a slow/python tokenizer): the text is tokenised piece by piece."""
+
+    is_fast = False
+
+    def __init__(self, fast):
+        self._fast = fast
+
+    def __getattr__(self, name):
+        return getattr(self._fast, name)
+
+    def __call__(self, text, **kwargs):
+        kwargs.pop("return_offsets_mapping", None)
+        return self._fast(text, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek"])
+def test_tokenizer_without_offsets_gives_the_same_mask(name):
+    fast = build_chat_tokenizer(template_text(name))
+    for messages in CASES.values():
+        conversation = parse_record({"messages": messages})
+        assert tokenize_conversation(_SlowView(fast), conversation, None) == tokenize_conversation(fast, conversation, None)
+
+
+def test_assistant_first_and_consecutive_assistant_turns(tokenizer):
+    conversation = Conversation("x", (Message("assistant", "Hello!"), Message("assistant", "Goodbye!")))
+    record = tokenize_conversation(tokenizer, conversation, None)
+    assert learned_segments(tokenizer, record.input_ids, record.loss_mask) == ["Hello!<|eot_id|>", "Goodbye!<|eot_id|>"]

@@ -96,17 +96,13 @@ def _turn_renders(tokenizer: Any, conversation: Conversation, template: str) -> 
                        "(pass chat_template=FILE.jinja with a template that renders it)")
         previous = conversation.messages[k - 1] if k else None
         previous_text = previous.content.strip() if previous and previous.role != "assistant" and previous.content.strip() else None
-        renders.append(TurnRender(render(tokenizer, messages[:k], template, True) if k else _empty_prompt(tokenizer, template),
-                                  turn, previous_text, message.content.strip()))
+        content = message.content.strip()
+        if k:
+            prompt = render(tokenizer, messages[:k], template, True)
+        else:  # an assistant message opens the conversation (templates cannot render zero messages): learned from its content on
+            prompt = turn[: turn.find(content)] if content and content in turn else ""
+        renders.append(TurnRender(prompt, turn, previous_text, content))
     return renders
-
-
-def _empty_prompt(tokenizer: Any, template: str) -> str:
-    """The generation prompt of an empty conversation (an assistant message first); "" if the template needs a message."""
-    try:
-        return render(tokenizer, [], template, True)
-    except EaglekitError:
-        return ""
 
 
 def _end_tokens(tokenizer: Any) -> tuple[str, ...]:
