@@ -42,6 +42,34 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
         raise EaglekitError(f"cannot load the tokenizer of {name_or_path}: {error}") from None
 
 
+def load_target_config(name_or_path: str, trust_remote_code: bool = False) -> Any:
+    """The target's HF config; a checkpoint that needs its own code is refused unless trust_remote_code."""
+    import json
+
+    from transformers import AutoConfig
+
+    path = resolve_target(name_or_path)
+    config_file = Path(path) / "config.json"
+    if not trust_remote_code and config_file.is_file():
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise EaglekitError(f"{config_file} is not valid JSON ({error}); fix or re-download the checkpoint") from None
+        if raw.get("auto_map"):
+            from transformers import CONFIG_MAPPING
+
+            if raw.get("model_type") not in CONFIG_MAPPING:
+                raise EaglekitError(
+                    f"target {name_or_path} needs its own modelling code (config.json has auto_map, model_type "
+                    f"{raw.get('model_type')!r} is not built into transformers); pass trust_remote_code=true if you trust it"
+                )
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        hint = " (or pass trust_remote_code=true if the model ships its own code)" if not trust_remote_code else ""
+        raise EaglekitError(f"cannot read the config of target {name_or_path}: {error}{hint}") from None
+
+
 def load_target(
     name_or_path: str,
     device: torch.device | str = "cpu",
@@ -50,13 +78,10 @@ def load_target(
     device_map: str | None = None,
 ) -> torch.nn.Module:
     """The target model in eval mode, frozen. Multimodal wrappers load through their own auto class."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = resolve_target(name_or_path)
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise EaglekitError(f"cannot read the config of target {name_or_path}: {error}") from None
+    config = load_target_config(name_or_path, trust_remote_code)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if device_map:
         kwargs["device_map"] = device_map

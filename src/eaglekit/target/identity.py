@@ -1,0 +1,52 @@
+"""Stable identities of a target and its tokenizer, so stored hidden states are never paired with the
+wrong model: `target_config_hash(config)` and `tokenizer_hash(tokenizer)` (16 hex digits each).
+
+Only what changes the numbers is hashed: the architecture-defining config fields (not the
+transformers version, the local path or the load dtype), and the tokenizer's vocabulary, special
+tokens and chat template (not its class or file layout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+# Config keys that say how a checkpoint was saved or loaded, not what it computes.
+_VOLATILE_CONFIG_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype", "_attn_implementation",
+    "_attn_implementation_autoset", "attn_implementation", "use_cache", "output_hidden_states", "output_attentions",
+    "return_dict", "_commit_hash", "_experts_implementation",
+})
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [_strip(v) for v in value]
+    return value
+
+
+def target_config_hash(config: Any) -> str:
+    """Hash of an HF config (object or dict) over the fields that define the computation."""
+    data = config if isinstance(config, dict) else config.to_dict()
+    return _digest(_strip(data))
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """Hash of what maps text to ids: vocabulary (token -> id), special tokens, chat template."""
+    vocab = tokenizer.get_vocab()
+    template = getattr(tokenizer, "chat_template", None)
+    special = {
+        "bos": getattr(tokenizer, "bos_token", None),
+        "eos": getattr(tokenizer, "eos_token", None),
+        "pad": getattr(tokenizer, "pad_token", None),
+        "unk": getattr(tokenizer, "unk_token", None),
+        "added": sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", [])),
+    }
+    return _digest({"vocab": sorted(vocab.items(), key=lambda item: item[1]), "special": special, "template": template})

@@ -1,0 +1,229 @@
+"""`eaglekit extract` end to end on a tiny random Llama: stored states equal an unpadded forward,
+shards/manifest/reader, float8 storage, resume after a failed write, and every bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from eaglekit.config import load_config
+from eaglekit.data import read_conversations, tokenize_conversation
+from eaglekit.errors import EaglekitError
+from eaglekit.stages import extract
+from eaglekit.target import shard_writer
+from eaglekit.target.capture import HiddenStateCapture, forward_target
+from eaglekit.target.identity import target_config_hash, tokenizer_hash
+from eaglekit.target.inspection import format_target_report, target_report
+from eaglekit.target.loading import load_target
+from eaglekit.target.store import HiddenStateDataset, dequantize_rows, quantize_rows
+from test_data_support import build_chat_tokenizer, template_text
+
+LAYERS, HIDDEN = 6, 32
+WORDS = "the a cat dog sat on mat code python def return list dict value key error file read write".split()
+
+
+def _save_target(directory, layers: int = LAYERS):
+    tokenizer = build_chat_tokenizer(template_text("llama3"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return _save_target(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    with open(path, "w") as handle:
+        for i in range(14):
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
+            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 16)))
+            handle.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": question},
+                                                                 {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def run_extract(target_dir, data_file, out, **overrides):
+    options = {"data": [str(data_file)], "output": str(out), "target": str(target_dir), "dtype": "fp32",
+               "batch_tokens": 512, "max_batch_size": 4, "shard_mb": 0.1, "max_length": 256, **overrides}
+    return extract.run(load_config(extract.Config, overrides=options))
+
+
+@pytest.fixture(scope="module")
+def fp32_store(target_dir, data_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("store")
+    return out, run_extract(target_dir, data_file, out)
+
+
+def test_stored_states_equal_an_unpadded_forward(target_dir, data_file, fp32_store):
+    out, result = fp32_store
+    dataset = HiddenStateDataset(out)
+    manifest = dataset.manifest
+    assert len(manifest["shards"]) > 1 and manifest["num_records"] == len(dataset) == 14
+    assert manifest["aux_layer_ids"] == [2, 3, 3] and manifest["aux_layer_convention"] == "input_of_layer"
+    assert manifest["verification"]["ok"] and manifest["verification"]["hook_calls"] == {"aux2": 1, "aux3": 1, "final": 1}
+    model, tokenizer = load_target(str(target_dir)), AutoTokenizer.from_pretrained(target_dir)
+    conversations = {c.id: c for c in read_conversations([data_file])}
+    assert sorted(dataset.ids) == sorted(conversations)
+    assert manifest["num_tokens"] == sum(len(dataset[i]["input_ids"]) for i in range(len(dataset)))
+    with HiddenStateCapture(model, (2, 3, 3)) as capture, torch.inference_mode():
+        for i in (0, 5, 13):
+            record = dataset[i]
+            tokenized = tokenize_conversation(tokenizer, conversations[record["id"]], 256)
+            assert record["input_ids"].tolist() == tokenized.input_ids
+            assert record["loss_mask"].tolist() == [bool(m) for m in tokenized.loss_mask]
+            forward_target(model, record["input_ids"][None])
+            assert record["aux"].shape == (len(tokenized.input_ids), 3 * HIDDEN)
+            torch.testing.assert_close(record["aux"], capture.aux()[0], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(record["final"], capture.final()[0], atol=2e-5, rtol=1e-4)
+    assert result.stats["truncated"] == 0 and result.stats["records_read"] == 14
+
+
+def test_float8_halves_bytes_with_bounded_error(target_dir, data_file, fp32_store, tmp_path):
+    reference = HiddenStateDataset(fp32_store[0])
+    stores = {dtype: HiddenStateDataset(run_extract(target_dir, data_file, tmp_path / dtype, dtype=dtype).output)
+              for dtype in ("bf16", "float8_e4m3fn")}
+    bf16, fp8 = stores["bf16"].manifest["bytes"], stores["float8_e4m3fn"].manifest["bytes"]
+    assert 0.45 < fp8 / bf16 < 0.6  # scales (3 + 1 float32 per token) cost extra at H=32; ~0.51 at H=4096
+    by_id = {reference[i]["id"]: reference[i] for i in range(len(reference))}
+    for dtype, bound in (("bf16", 0.01), ("float8_e4m3fn", 0.05)):
+        store = stores[dtype]
+        errors = [((store[i]["aux"].float() - by_id[store[i]["id"]]["aux"]).norm() / by_id[store[i]["id"]]["aux"].norm()).item()
+                  for i in range(len(store))]
+        assert max(errors) < bound, (dtype, max(errors))
+
+
+def test_quantize_rows_round_trip():
+    x = torch.randn(7, 3 * 64) * torch.tensor([1.0, 30.0, 0.01]).repeat_interleave(64)  # layers of very different scale
+    q, scale = quantize_rows(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (7, 3)
+    back = dequantize_rows(q, scale, torch.float32)
+    for g in range(3):  # per-layer scales keep the small layer's relative error small too
+        part = slice(g * 64, (g + 1) * 64)
+        assert ((back[:, part] - x[:, part]).norm() / x[:, part].norm()) < 0.05
+
+
+def test_disk_full_keeps_earlier_shards_and_resume_completes(target_dir, data_file, fp32_store, tmp_path, monkeypatch):
+    real, calls = shard_writer.write_safetensors, {"n": 0}
+
+    def failing(handle, tensors, metadata):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            handle.write(b"partial bytes")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(handle, tensors, metadata)
+
+    monkeypatch.setattr(shard_writer, "write_safetensors", failing)
+    with pytest.raises(EaglekitError, match="No space left.*intact.*re-run"):
+        run_extract(target_dir, data_file, tmp_path)
+    assert not (tmp_path / "manifest.json").exists()
+    assert not list(tmp_path.glob(".*tmp")) and [p.name for p in tmp_path.glob("shard-*")] == ["shard-r00-00000.safetensors"]
+    first = json.loads((tmp_path / "shards-r00.jsonl").read_text().splitlines()[0])
+    monkeypatch.setattr(shard_writer, "write_safetensors", real)
+    run_extract(target_dir, data_file, tmp_path)
+    resumed, fresh = HiddenStateDataset(tmp_path), HiddenStateDataset(fp32_store[0])
+    assert resumed.manifest["shards"][0]["sha256"] == first["sha256"]  # the first shard was kept, not redone
+    assert sorted(resumed.ids) == sorted(fresh.ids)
+    fresh_by_id = {fresh[i]["id"]: fresh[i] for i in range(len(fresh))}
+    for i in range(len(resumed)):
+        assert torch.equal(resumed[i]["aux"], fresh_by_id[resumed[i]["id"]]["aux"])
+
+
+def test_resume_refuses_another_config_and_overwrite_replaces(target_dir, data_file, tmp_path):
+    run_extract(target_dir, data_file, tmp_path, limit=3)
+    with pytest.raises(EaglekitError, match="different run.*aux_layer_ids.*--overwrite"):
+        run_extract(target_dir, data_file, tmp_path, aux_layer_ids=[1, 2, 4])
+    result = run_extract(target_dir, data_file, tmp_path, aux_layer_ids=[0, 1, 2], aux_layer_convention="output_of_layer",
+                         overwrite=True, limit=3)
+    assert HiddenStateDataset(result.output).manifest["aux_layer_ids"] == [1, 2, 3]
+
+
+def test_reader_validates_identity_and_checksums(target_dir, data_file, tmp_path):
+    out = run_extract(target_dir, data_file, tmp_path, limit=4).output
+    dataset = HiddenStateDataset(out)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    dataset.validate(hidden_size=HIDDEN, aux_layer_ids=(2, 3, 3), tokenizer_hash=tokenizer_hash(tokenizer),
+                     target_config_hash=target_config_hash(AutoConfig.from_pretrained(target_dir)))
+    dataset.validate(aux_layer_ids=(1, 2, 2), aux_layer_convention="output_of_layer")
+    with pytest.raises(EaglekitError, match="hidden_size=32.*uses 64"):
+        dataset.validate(hidden_size=64)
+    with pytest.raises(EaglekitError, match="aux_layer_ids"):
+        dataset.validate(aux_layer_ids=(2, 3, 4))
+    shard = out / dataset.manifest["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(EaglekitError, match="corrupt"):
+        HiddenStateDataset(out)[0]
+    with pytest.raises(EaglekitError, match="no manifest.json"):
+        HiddenStateDataset(tmp_path / "nothing")
+
+
+def test_truncation_is_counted(target_dir, data_file, tmp_path):
+    result = run_extract(target_dir, data_file, tmp_path, max_length=90)
+    assert result.stats["truncated"] > 0
+    dataset = HiddenStateDataset(result.output)
+    assert max(len(dataset[i]["input_ids"]) for i in range(len(dataset))) == 90
+    assert dataset.manifest["stats"]["truncated"] == result.stats["truncated"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown_path", "not a model directory"),
+    ("three_layers", "has 3 decoder layers; EAGLE-3 needs at least 4"),
+    ("ids_out_of_range", "aux_layer_ids=.*within the target's 6 layers"),
+    ("empty_data", "no records found|no conversations"),
+    ("remote_code", "trust_remote_code"),
+])
+def test_bad_input(case, message, target_dir, data_file, tmp_path):
+    target, data, extra = target_dir, data_file, {}
+    if case == "unknown_path":
+        target = tmp_path / "no-such-model"
+    elif case == "three_layers":
+        target = _save_target(tmp_path / "small", layers=3)
+    elif case == "ids_out_of_range":
+        extra = {"aux_layer_ids": [2, 3, 7]}
+    elif case == "empty_data":
+        data = tmp_path / "empty.jsonl"
+        data.write_text("")
+    elif case == "remote_code":
+        target = tmp_path / "remote"
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({"model_type": "custom_thing", "auto_map": {"AutoConfig": "x.CustomConfig"}}))
+        (target / "tokenizer_config.json").write_text("{}")
+    assert extract.Config().trust_remote_code is False
+    with pytest.raises(EaglekitError, match=message):
+        run_extract(target, data, tmp_path / "out", **extra)
+
+
+def test_identity_hashes(target_dir, tmp_path):
+    model = load_target(str(target_dir))
+    assert target_config_hash(model.config) == target_config_hash(AutoConfig.from_pretrained(target_dir))
+    other = LlamaConfig.from_pretrained(target_dir)
+    other.num_hidden_layers = 5
+    assert target_config_hash(other) != target_config_hash(model.config)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.save_pretrained(tmp_path)
+    assert tokenizer_hash(AutoTokenizer.from_pretrained(tmp_path)) == tokenizer_hash(tokenizer)
+    tokenizer.chat_template = "{{ messages }}"
+    assert tokenizer_hash(tokenizer) != tokenizer_hash(AutoTokenizer.from_pretrained(tmp_path))
+
+
+def test_target_report(target_dir):
+    report = target_report(str(target_dir))
+    assert report["class"] == "LlamaForCausalLM" and report["decoder_path"] == "model.layers"
+    assert report["num_layers"] == LAYERS and report["hidden_size"] == HIDDEN and report["default_aux_layer_ids"] == [2, 3, 3]
+    assert report["verification"]["ok"] and "transformers.models.llama.modeling_llama.LlamaForCausalLM" in report["mro"]
+    text = format_target_report(report)
+    assert "loaded class:     LlamaForCausalLM" in text and "verification:     OK" in text and "model.layers" in text
