@@ -1,0 +1,192 @@
+"""Building the drafter for a target: shapes and RoPE from the target's config, the target's embedding
+(frozen) and lm_head read from its checkpoint, `init_from` an existing drafter, and the vocabulary
+mapping (kept from `init_from`, or remapped when the user asks to rebuild it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from eaglekit.draft.model import FORMAT, INPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
+from eaglekit.draft.vocab import VocabMapping, load_vocab, mapping_from_drafter, remap_rows, select_vocab
+from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
+
+
+def rope_parameters(text_config: Any) -> dict[str, Any]:
+    """RoPE settings of a target config, as a transformers-5 `rope_parameters` dict."""
+    params = getattr(text_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if "rope_theta" not in params and "full_attention" in params:  # per-layer-type settings (Gemma 3 style)
+            params = params["full_attention"]
+        return dict(params)
+    scaling = dict(getattr(text_config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_theta": float(getattr(text_config, "rope_theta", 10000.0))}
+
+
+def drafter_config_for(text_config: Any, draft_vocab_size: int, aux_layers: tuple[int, ...], target_name: str, architecture: str) -> DrafterConfig:
+    """A drafter shaped like one layer of the target (hidden, heads, MLP width, RoPE, vocabulary)."""
+    hidden = int(text_config.hidden_size)
+    heads = int(text_config.num_attention_heads)
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=int(text_config.intermediate_size),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
+        vocab_size=int(text_config.vocab_size),
+        draft_vocab_size=min(draft_vocab_size, int(text_config.vocab_size)),
+        target_hidden_size=hidden,
+        aux_layer_ids=tuple(aux_layers),
+        head_dim=getattr(text_config, "head_dim", None) or hidden // heads,
+        rms_norm_eps=float(getattr(text_config, "rms_norm_eps", 1e-6)),
+        rope_parameters=rope_parameters(text_config),
+        max_position_embeddings=int(getattr(text_config, "max_position_embeddings", 4096)),
+        target_name_or_path=target_name,
+        target_architecture=architecture,
+        target_num_layers=int(text_config.num_hidden_layers),
+    )
+
+
+def _checkpoint_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """Read `names` (or keys ending with them) from a local safetensors checkpoint; None if not possible."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (directory / "model.safetensors").is_file():
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+            weight_map = {key: "model.safetensors" for key in handle.keys()}
+    else:
+        return None
+    found = {}
+    for name in names:
+        keys = [k for k in weight_map if k == name] or [k for k in weight_map if k.endswith(name.split(".", 1)[-1])]
+        if len(keys) != 1:
+            return None
+        with safe_open(str(directory / weight_map[keys[0]]), framework="pt") as handle:
+            found[name] = handle.get_tensor(keys[0])
+    return found
+
+
+def load_target_embeddings(name_or_path: str, trust_remote_code: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding (V, H), lm_head (V, H)) of a target, read from its checkpoint without loading the
+    model where possible (offline training needs only these two)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eaglekit.target.loading import load_target, resolve_target
+
+    path = resolve_target(name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        names = {id(p): n for n, p in skeleton.named_parameters(remove_duplicate=False)}
+        embed_name = names[id(skeleton.get_input_embeddings().weight)]
+        head = skeleton.get_output_embeddings().weight
+        tied = head is skeleton.get_input_embeddings().weight
+        wanted = [embed_name] if tied else [embed_name, names[id(head)]]
+        tensors = _checkpoint_tensors(Path(path), wanted) if Path(path).is_dir() else None
+    except (ValueError, KeyError, AttributeError):
+        tensors = None
+    if tensors is not None:
+        embed = tensors[embed_name]
+        return embed, embed if tied else tensors[wanted[1]]
+    log.info("reading embedding and lm_head by loading the whole target %s on the CPU", name_or_path)
+    model = load_target(name_or_path, "cpu", torch.float32, trust_remote_code=trust_remote_code)
+    return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+
+
+def load_drafter(path: str, target_num_layers: int) -> Eagle3Drafter:
+    """An eaglekit drafter; other layouts through `eaglekit.interop` when that package provides it."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise EaglekitError(f"init_from={path}: no config.json there; give a drafter directory")
+    if json.loads(config_path.read_text()).get("format") == FORMAT:
+        return Eagle3Drafter.from_pretrained(path)
+    try:
+        from eaglekit.interop.convert import import_checkpoint
+    except ImportError:
+        raise EaglekitError(f"init_from={path} is not in eaglekit format and this install cannot import other formats; "
+                            "convert it with `eaglekit import` first") from None
+    return import_checkpoint(path, target_num_layers=target_num_layers)
+
+
+def with_vocab(drafter: Eagle3Drafter, mapping: VocabMapping, seed: int) -> tuple[Eagle3Drafter, int]:
+    """A copy of `drafter` over a new draft vocabulary: lm_head rows of kept ids move, new ids get a fresh init."""
+    old = mapping_from_drafter(drafter)
+    config = DrafterConfig.from_dict({**drafter.config.to_dict(), "draft_vocab_size": int(mapping.used_ids.numel())})
+    new = Eagle3Drafter(config)
+    state = {k: v for k, v in drafter.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    new.load_state_dict(state, strict=False)
+    fresh = torch.empty_like(new.lm_head.weight)
+    bound = 1.0 / math.sqrt(fresh.shape[1])
+    fresh.uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))
+    rows, kept = remap_rows(drafter.lm_head.weight.detach(), old.used_ids, mapping.used_ids, fresh)
+    with torch.no_grad():
+        new.lm_head.weight.copy_(rows)
+    new.set_vocab_mapping(mapping.used_ids)
+    new.embed_tokens.weight.requires_grad_(False)
+    return new, kept
+
+
+def check_against_target(config: DrafterConfig, text_config: Any, source: str) -> None:
+    if config.target_hidden_size != int(text_config.hidden_size):
+        raise EaglekitError(f"{source} was made for a target with hidden size {config.target_hidden_size}, this target has "
+                            f"{text_config.hidden_size}: use a drafter trained for this target, or start without init_from")
+    if config.vocab_size != int(text_config.vocab_size):
+        raise EaglekitError(f"{source} was made for a vocabulary of {config.vocab_size}, this target has {text_config.vocab_size}: "
+                            "wrong target or drafter")
+
+
+def prepare_drafter(
+    options: Any,  # stages.train.Config
+    text_config: Any,
+    aux_layers: tuple[int, ...],  # input-of-layer ids
+    architecture: str,
+    count_tokens_fn: Callable[[], torch.Tensor],
+) -> tuple[Eagle3Drafter, str]:
+    """The drafter to train and a note on where its vocabulary came from."""
+    vocab = load_vocab(options.vocab) if options.vocab else None
+    if vocab is not None and vocab.vocab_size != int(text_config.vocab_size):
+        raise EaglekitError(f"{options.vocab} covers a vocabulary of {vocab.vocab_size}, the target has {text_config.vocab_size}")
+    if not options.init_from:
+        torch.manual_seed(options.seed)
+        mapping = vocab or select_vocab(count_tokens_fn(), options.draft_vocab_size)
+        config = drafter_config_for(text_config, int(mapping.used_ids.numel()), aux_layers, options.target, architecture)
+        drafter = Eagle3Drafter(config)
+        drafter.set_vocab_mapping(mapping.used_ids)
+        note = f"from {options.vocab}" if vocab else "built from the training data"
+        return drafter, f"{note} (coverage {select_coverage(mapping, count_tokens_fn):.2%})"
+    drafter = load_drafter(options.init_from, int(text_config.num_hidden_layers))
+    check_against_target(drafter.config, text_config, options.init_from)
+    from eaglekit.target.capture import to_input_convention
+
+    own = to_input_convention(drafter.config.aux_layer_ids, drafter.config.aux_layer_convention)
+    if options.aux_layers and tuple(options.aux_layers) != tuple(own):
+        raise EaglekitError(f"aux_layers={list(options.aux_layers)} differ from {options.init_from}'s layers {list(own)} "
+                            f"({INPUT_OF_LAYER} ids); drop aux_layers= to keep the drafter's")
+    current = mapping_from_drafter(drafter)
+    if vocab is None and options.rebuild_vocab:
+        vocab = select_vocab(count_tokens_fn(), options.draft_vocab_size)
+    if vocab is None or torch.equal(vocab.used_ids, current.used_ids):
+        return drafter, f"kept from {options.init_from}"
+    if not options.rebuild_vocab:
+        raise EaglekitError(f"vocab={options.vocab} differs from the mapping of init_from={options.init_from}; fine-tuning keeps the "
+                            "drafter's mapping: drop vocab=, or pass rebuild_vocab=true to remap its lm_head rows to the new one")
+    drafter, kept = with_vocab(drafter, vocab, options.seed)
+    log.warning("draft vocabulary rebuilt: %d of %d lm_head rows carried over, the rest initialised fresh", kept, vocab.used_ids.numel())
+    return drafter, f"rebuilt ({kept} rows carried over from {options.init_from})"
+
+
+def select_coverage(mapping: VocabMapping, count_tokens_fn: Callable[[], torch.Tensor]) -> float:
+    counts = mapping.counts if mapping.counts is not None else count_tokens_fn()
+    return mapping.coverage(counts)

@@ -1,0 +1,110 @@
+"""Setting up a training run: the target (config, embedding, lm_head; the model itself online), the data
+source (extract shards or conversations), the drafter, the identity checks between them, and writing the
+finished drafter with its manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglekit.draft.build import load_target_embeddings, prepare_drafter
+from eaglekit.draft.data import OfflineSource, OnlineSource, conversation_records, shard_tokens
+from eaglekit.draft.model import INPUT_OF_LAYER, Eagle3Drafter
+from eaglekit.draft.vocab import VOCAB_FILE, count_tokens, mapping_from_drafter, save_vocab
+from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
+
+
+def _check(config: Any) -> None:
+    if not config.output:
+        raise EaglekitError("no output directory: pass output=DIR")
+    if not config.target:
+        raise EaglekitError("no target: pass target=PATH (the model the drafter serves), or target=tiny")
+    if bool(config.shards) == bool(config.data):
+        raise EaglekitError("give exactly one data source: shards=DIR (offline, from `eaglekit extract`) or data=FILES (online)")
+    if config.ttt_steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
+        raise EaglekitError("ttt_steps, batch_size and grad_accum must be at least 1")
+    if config.resume is False and (Path(config.output) / "checkpoints" / "latest.json").is_file():
+        raise EaglekitError(f"{config.output} holds checkpoints of an earlier run: pass resume=true to continue it, or use a new output")
+
+
+def _tokenizer_hash(config: Any) -> str | None:
+    from eaglekit.target.identity import tokenizer_hash
+    from eaglekit.target.loading import load_tokenizer
+
+    try:
+        return tokenizer_hash(load_tokenizer(config.target, trust_remote_code=config.trust_remote_code))
+    except EaglekitError:
+        log.warning("target %s has no loadable tokenizer: the shards' tokenizer cannot be checked", config.target)
+        return None
+
+
+def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Drafter, Any, dict[str, Any]]:
+    """(drafter with vocab and target embedding, data source, identity for the manifest)."""
+    from transformers import AutoConfig
+
+    from eaglekit.runtime import resolve_dtype
+    from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, text_config, to_input_convention
+    from eaglekit.target.identity import target_config_hash
+    from eaglekit.target.loading import load_target, load_tokenizer, resolve_target
+
+    _check(config)
+    target_config = AutoConfig.from_pretrained(resolve_target(config.target), trust_remote_code=config.trust_remote_code)
+    tc = text_config(target_config)
+    architecture = (getattr(target_config, "architectures", None) or [type(target_config).__name__])[0]
+    target = None
+    if config.shards:
+        from eaglekit.target.store import HiddenStateDataset
+
+        dataset = HiddenStateDataset(config.shards)
+        tokens = shard_tokens(dataset)
+        embed, head = load_target_embeddings(config.target, config.trust_remote_code)
+    else:
+        target = load_target(config.target, d.device, resolve_dtype("auto", d.device), trust_remote_code=config.trust_remote_code)
+        tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
+        records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template)
+        tokens = [(r["input_ids"], r["loss_mask"]) for r in records]
+        embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
+    aux_layers = tuple(config.aux_layers) or default_aux_layers(int(tc.num_hidden_layers))
+    drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts)
+    drafter.load_target_embedding(embed.detach().float().cpu())
+    log.info("draft vocabulary %d ids: %s", drafter.config.draft_vocab_size, vocab_note)
+    aux_input = to_input_convention(drafter.config.aux_layer_ids, drafter.config.aux_layer_convention)
+    if config.shards:
+        dataset.validate(hidden_size=int(tc.hidden_size), aux_layer_ids=aux_input, aux_layer_convention=INPUT_OF_LAYER,
+                         tokenizer_hash=_tokenizer_hash(config), target_config_hash=target_config_hash(target_config))
+        source: Any = OfflineSource(dataset, tokens, head.detach().to(d.device), drafter.t2d, config.max_length)
+    else:
+        capture = stack.enter_context(HiddenStateCapture(target, aux_input))
+        source = OnlineSource(records, target, capture, drafter.t2d, config.max_length)
+    identity = {"target": config.target, "target_architecture": architecture, "target_config_hash": target_config_hash(target_config),
+                "mode": "offline" if config.shards else "online", "aux_layer_ids": list(aux_input),
+                "aux_layer_convention": INPUT_OF_LAYER, "vocab": vocab_note, "init_from": config.init_from or None}
+    return drafter, source, identity
+
+
+def finish(config: Any, trainer: Any, state: dict[str, torch.Tensor], identity: dict[str, Any], result: dict[str, Any]) -> None:
+    """Write the final drafter, its vocabulary and the manifest (last) into `output`."""
+    from eaglekit.config import to_dict
+    from eaglekit.manifest import file_sha256, write_manifest
+
+    output = Path(config.output)
+    trainer.save_drafter(output, state)
+    save_vocab(output / VOCAB_FILE, mapping_from_drafter(trainer.drafter))
+    write_manifest(output, "train", {"config": to_dict(config), **identity, **result,
+                                     "drafter_config": trainer.drafter.config.to_dict(),
+                                     "sha256": {"model.safetensors": file_sha256(output / "model.safetensors")}})
+    val = result.get("val") or {}
+    if val:
+        print(f"drafter saved to {output}: val loss {val['loss']:.4f}, accuracy per TTT position "
+              f"{', '.join(f'{a:.3f}' for a in val['acc_k'])}, estimated tau {val['tau']:.2f}")
+    else:
+        print(f"drafter saved to {output} after {result['steps']} steps (no validation split)")
