@@ -104,6 +104,16 @@ def test_rewritten_earlier_turn_is_matched_by_content():
     renders = [TurnRender(prompt1, turn1, "Hi", "Hello"), TurnRender(prompt2, full, "Bye", "Ciao")]
     spans = assistant_spans(full, renders)
     assert [full[s:e] for s, e in spans] == ["Hello<e>", "<t>because</t>Ciao<e>"]
+    # the last turn ends with a different token than turns in context (gpt-oss: <|return|> vs <|end|>)
+    turn1 = "<s>[U]Hi[A]<t>why</t>Hello<r>"
+    full = "<s>[U]Hi[A]Hello<e>[U]Bye[A]Ciao<r>"
+    renders = [TurnRender(prompt1, turn1, "Hi", "Hello"), TurnRender("<s>[U]Hi[A]Hello<e>[U]Bye[A]", full, "Bye", "Ciao")]
+    spans = assistant_spans(full, renders, end_tokens=("<e>", "<r>"))
+    assert [full[s:e] for s, e in spans] == ["Hello<e>", "Ciao<r>"]
+    # a user message whose text also appears in the header does not confuse the start
+    full = "[U]A[A]x<e>[U]A[A]y<e>"
+    renders = [TurnRender("[U]A[A]", "[U]A[A]<t>1</t>x<e>", "A", "x"), TurnRender("[U]A[A]x<e>[U]A[A]", full, "A", "y")]
+    assert [full[s:e] for s, e in assistant_spans(full, renders)] == ["x<e>", "y<e>"]
 
 
 def test_trim_and_offsets():

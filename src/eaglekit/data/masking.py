@@ -9,7 +9,8 @@ When `turn` is a prefix of the full rendering the span is read off directly. Whe
 rewrote this turn because later messages followed (typically: it drops the reasoning of earlier turns).
 The turn is then matched in the form it takes in the full rendering: it starts after the previous
 message's text and the header both renders share, and ends after this message's content and the text the
-template puts after it (its end-of-turn token). Whatever the template kept of the turn in between
+template puts after it (its end-of-turn token; where that differs in context, as gpt-oss's final-turn
+`<|return|>` does, the special token that follows the content there). Whatever the template kept of the turn in between
 (reasoning or not) is learned, since that is what the target sees in context.
 """
 
@@ -35,17 +36,26 @@ def common_prefix_length(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
-def _rewritten_turn_span(full: str, render: TurnRender, start_of_turn: int, cursor: int) -> tuple[int, int]:
-    """The span of a turn the template rendered differently in the full conversation (see module doc)."""
+def _turn_start(full: str, render: TurnRender, start_of_turn: int, cursor: int) -> int:
+    """Where a rewritten turn's learned text starts in `full`: after the previous message and the header."""
     if render.previous is None:
         raise SpanError("the template renders it differently once later messages follow, and the message before it is not a user/system message with text")
-    found = full.find(render.previous, cursor)
     in_prompt = render.turn.rfind(render.previous, 0, start_of_turn)
-    if found < 0 or in_prompt < 0:
+    if in_prompt < 0:
+        raise SpanError("the text of the message before it is not rendered verbatim")
+    anchor = render.turn[in_prompt:start_of_turn]  # previous message's text + the turn's header, e.g. "Hi<|im_end|>\n<|im_start|>assistant\n"
+    at = full.find(anchor, cursor)
+    if at >= 0:
+        return at + len(anchor)
+    found = full.find(render.previous, cursor)  # the header changed too: keep the part both renders share
+    if found < 0:
         raise SpanError("the text of the message before it is not rendered verbatim")
     after_previous = found + len(render.previous)
-    header = render.turn[in_prompt + len(render.previous) : start_of_turn]
-    start = after_previous + common_prefix_length(full[after_previous:], header)
+    return after_previous + common_prefix_length(full[after_previous:], anchor[len(render.previous) :])
+
+
+def _turn_end(full: str, render: TurnRender, start_of_turn: int, start: int, end_tokens: tuple[str, ...]) -> int:
+    """Where a rewritten turn ends in `full`: after its content and the text the template writes after it."""
     if render.content:
         at = render.turn.rfind(render.content)
         if at < start_of_turn:
@@ -56,11 +66,16 @@ def _rewritten_turn_span(full: str, render: TurnRender, start_of_turn: int, curs
     for candidate in (render.content + tail, render.content + tail.rstrip()):
         at = full.find(candidate, start)
         if at >= 0 and candidate:
-            return start, at + len(candidate)
+            return at + len(candidate)
+    at = full.find(render.content, start) if render.content else -1
+    if at >= 0:  # the end-of-turn token differs in context (e.g. a final-turn token): take the one that follows
+        end = at + len(render.content)
+        following = [token for token in end_tokens if token and full.startswith(token, end)]
+        return end + max(map(len, following), default=0)
     raise SpanError("its content and end-of-turn text do not appear in the full rendering")
 
 
-def assistant_spans(full: str, renders: list[TurnRender]) -> list[tuple[int, int]]:
+def assistant_spans(full: str, renders: list[TurnRender], end_tokens: tuple[str, ...] = ()) -> list[tuple[int, int]]:
     """Character spans [start, end) of each assistant turn in `full`, in order, not overlapping."""
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -70,7 +85,8 @@ def assistant_spans(full: str, renders: list[TurnRender]) -> list[tuple[int, int
             span = (start_of_turn, len(render.turn))
         else:
             try:
-                span = _rewritten_turn_span(full, render, start_of_turn, cursor)
+                start = _turn_start(full, render, start_of_turn, cursor)
+                span = (start, _turn_end(full, render, start_of_turn, start, end_tokens))
             except SpanError as error:
                 raise SpanError(f"assistant turn {index + 1}: {error}") from None
         assert cursor <= span[0] <= span[1] <= len(full), (cursor, span)

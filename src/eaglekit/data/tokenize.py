@@ -3,7 +3,8 @@
 `tokenize_conversation` renders the whole conversation with the chat template, finds the character
 spans of the assistant turns by rendering prefixes (`eaglekit.data.masking`, no `{% generation %}`
 needed), tokenises the full text once and marks each token that overlaps an assistant span. Reasoning
-is given to the template as `reasoning_content` (the name Qwen3, DeepSeek and Kimi templates read).
+is given to the template as `reasoning_content` (the name Qwen3, DeepSeek and Kimi templates read) and
+as `thinking` (gpt-oss).
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> s
 
 
 def template_messages(conversation: Conversation) -> list[dict[str, str]]:
-    """Messages as chat templates expect them; reasoning goes in `reasoning_content`."""
+    """Messages as chat templates expect them; reasoning goes in `reasoning_content` and `thinking`."""
     out = []
     for message in conversation.messages:
         item = {"role": message.role, "content": message.content}
-        if message.reasoning is not None:
+        if message.reasoning is not None:  # the names templates read: Qwen3/DeepSeek/Kimi, and gpt-oss
             item["reasoning_content"] = message.reasoning
+            item["thinking"] = message.reasoning
         out.append(item)
     return out
 
@@ -130,12 +132,12 @@ def tokenize_conversation(tokenizer: Any, conversation: Conversation, max_length
     template = resolve_chat_template(tokenizer, chat_template)
     messages = template_messages(conversation)
     full = render(tokenizer, messages, template)
+    end_tokens = _end_tokens(tokenizer)
     try:
-        spans = assistant_spans(full, _turn_renders(tokenizer, conversation, template))
+        spans = assistant_spans(full, _turn_renders(tokenizer, conversation, template), end_tokens)
     except SpanError as error:
         raise EaglekitError(f"conversation {conversation.id}: cannot find the {error}; pass chat_template=FILE.jinja "
                             "with a template that renders earlier turns unchanged, or remove this record") from None
-    end_tokens = _end_tokens(tokenizer)
     spans = [trim_turn_end(full, span, end_tokens) for span in spans]
     input_ids, loss_mask = _tokens_and_mask(tokenizer, full, spans)
     full_length = len(input_ids)
