@@ -1,0 +1,97 @@
+"""Speculative decoding reproduces target greedy decoding token for token (HF `generate` is the
+reference) for Llama, Qwen3-MoE and DeepSeek-V3 tiny targets, chains and trees, with a random drafter
+(little accepted) and an oracle drafter (everything accepted), stopping on EOS mid-draft and at the
+length limit; the static fast path equals the eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_models import OracleDrafter, random_drafter, tiny_target
+from eaglekit.decode import generate
+from eaglekit.errors import EaglekitError
+
+PROMPT = [5, 17, 33, 2, 9, 41]
+NEW = 16
+
+
+def hf_greedy(target, max_new_tokens: int, eos: int | None = None) -> list[int]:
+    out = target.generate(torch.tensor([PROMPT]), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
+    return out[0, len(PROMPT):].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "deepseek_v3"])
+def case(request):
+    target = tiny_target(request.param)
+    return request.param, target, hf_greedy(target, NEW)
+
+
+@pytest.mark.parametrize("method", ["plain", "chain", "tree"])
+def test_random_drafter_matches_hf_greedy(case, method):
+    _, target, reference = case
+    result = generate(target, random_drafter(target), PROMPT, NEW, method=method, depth=3, tree_top_k=3, total_tokens=8)
+    assert result.tokens == reference
+    assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method,tau", [("chain", 4.0), ("tree", 4.0)])
+def test_oracle_drafter_accepts_everything(case, method, tau):
+    _, target, reference = case
+    oracle = OracleDrafter(PROMPT + reference, target.config.num_hidden_layers)
+    result = generate(target, oracle, PROMPT, NEW, method=method, chain_length=3, depth=3, tree_top_k=3, total_tokens=8)
+    assert result.tokens == reference
+    full_steps = result.stats.accepted[:-1]  # the last step may be cut by the length limit
+    assert full_steps and all(a == 3 for a in full_steps)
+    assert result.stats.acceptance_per_position()[:1] == [1.0]
+
+
+def test_eos_mid_draft_and_length_limit(case):
+    name, target, reference = case
+    eos = reference[9]  # the 10th token falls inside a 4-token accepted block (steps emit 1, then 4, 4, ...)
+    expected = hf_greedy(target, NEW, eos=eos)
+    assert expected[-1] == eos and len(expected) <= 10
+    oracle = OracleDrafter(PROMPT + reference, target.config.num_hidden_layers)
+    for method in ("chain", "tree"):
+        result = generate(target, oracle, PROMPT, NEW, method=method, chain_length=3, depth=3, tree_top_k=2,
+                          total_tokens=6, eos_token_ids=(eos,))
+        assert result.tokens == expected and result.finish_reason == "eos", (name, method)
+        cut = generate(target, oracle, PROMPT, 7, method=method, chain_length=3, depth=3, tree_top_k=2, total_tokens=6)
+        assert cut.tokens == reference[:7] and cut.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_fast_path_equals_eager(kind):
+    target = tiny_target(kind)
+    drafter = random_drafter(target)
+    reference = hf_greedy(target, NEW)
+    for method in ("plain", "chain", "tree"):
+        kwargs = dict(method=method, depth=3, tree_top_k=3, total_tokens=8)
+        eager = generate(target, drafter, PROMPT, NEW, backend="eager", **kwargs)
+        fast = generate(target, drafter, PROMPT, NEW, backend="static", **kwargs)
+        assert fast.tokens == eager.tokens == reference
+        assert fast.stats.accepted == eager.stats.accepted
+    oracle = OracleDrafter(PROMPT + reference, target.config.num_hidden_layers)
+    fast = generate(target, oracle, PROMPT, NEW, backend="static", method="tree", depth=3, tree_top_k=3, total_tokens=8)
+    assert fast.tokens == reference  # every step compacts accepted KV entries inside the static cache
+
+
+def test_static_fast_path_sampling_equals_eager():
+    target = tiny_target("llama")
+    drafter = random_drafter(target)
+    for method in ("chain", "tree"):
+        kwargs = dict(method=method, temperature=1.0, seed=3, depth=3, tree_top_k=3, total_tokens=8)
+        eager = generate(target, drafter, PROMPT, 16, backend="eager", **kwargs)
+        fast = generate(target, drafter, PROMPT, 16, backend="static", **kwargs)
+        assert fast.tokens == eager.tokens
+
+
+def test_static_rejects_moe_and_bad_options():
+    target = tiny_target("qwen3_moe")
+    with pytest.raises(EaglekitError, match="backend=eager"):
+        generate(target, None, PROMPT, 4, method="plain", backend="static")
+    with pytest.raises(EaglekitError, match="needs a drafter"):
+        generate(target, None, PROMPT, 4, method="tree")
+    with pytest.raises(EaglekitError, match="unknown decode method"):
+        generate(target, None, PROMPT, 4, method="beam")

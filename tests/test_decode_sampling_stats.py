@@ -1,0 +1,83 @@
+"""Statistical test: speculative sampling (chain with sampled drafts, tree with top-k drafts) emits
+tokens with exactly the target's distribution.
+
+A bigram "target" P[a] and a different "drafter" Q[a] over a 5-token vocabulary; each trial runs
+speculative steps (pure functions only) until two tokens are out. The empirical distribution of the
+pair (x1, x2) over 25 cells is compared with P[root, x1] * P[x1, x2] by Pearson's chi-square with a
+fixed seed. Threshold: the 0.999 quantile of chi-square with 24 degrees of freedom, 51.18.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekit.decode.sampling import sample
+from eaglekit.decode.tree import DraftTree, chain_parents
+from eaglekit.decode.verify import verify_sampling
+
+V, TRIALS, CHI2_999_DF24 = 5, 4000, 51.18
+
+
+def _tables():
+    g = torch.Generator().manual_seed(11)
+    target = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    draft = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    return target, draft
+
+
+def _chain(root: int, draft: torch.Tensor, g: torch.Generator, length: int = 2) -> DraftTree:
+    tokens, qs = [root], [torch.zeros(V)]
+    for _ in range(length):
+        q = draft[tokens[-1]]
+        tokens.append(int(sample(q, g)))
+        qs.append(q)
+    return DraftTree(torch.tensor(tokens), chain_parents(length), torch.arange(length + 1), torch.stack(qs))
+
+
+def _tree(root: int, draft: torch.Tensor, g: torch.Generator) -> DraftTree:
+    """Root -> its 3 most likely draft tokens; the first child -> its 2 most likely (deterministic)."""
+    kids = torch.topk(draft[root], 3).indices.tolist()
+    grandkids = torch.topk(draft[kids[0]], 2).indices.tolist()
+    tokens = [root] + kids + grandkids
+    return DraftTree(torch.tensor(tokens), torch.tensor([-1, 0, 0, 0, 1, 1]), torch.tensor([0, 1, 1, 1, 2, 2]))
+
+
+def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    target, draft = _tables()
+    g = torch.Generator().manual_seed(5)
+    root, counts = 0, torch.zeros(V, V)
+    for _ in range(TRIALS):
+        out, last = [], root
+        while len(out) < 2:
+            tree = _chain(last, draft, g) if kind == "chain" else _tree(last, draft, g)
+            verdict = verify_sampling(tree.tokens, tree.parents, target[tree.tokens], tree.draft_probs, g)
+            out += verdict.tokens + [verdict.bonus]
+            last = out[-1]
+        counts[out[0], out[1]] += 1
+    expected = TRIALS * target[root][:, None] * target
+    return counts, expected
+
+
+def _chi_square(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_chain_speculative_sampling_matches_target():
+    counts, expected = _pairs("chain")
+    assert _chi_square(counts, expected) < CHI2_999_DF24
+
+
+def test_tree_multi_draft_sampling_matches_target():
+    counts, expected = _pairs("tree")
+    assert _chi_square(counts, expected) < CHI2_999_DF24
+
+
+def test_chi_square_detects_a_wrong_rule():
+    """Sanity check of the test's power: accepting every draft (no rejection) fails the threshold."""
+    target, draft = _tables()
+    g = torch.Generator().manual_seed(5)
+    counts = torch.zeros(V, V)
+    for _ in range(TRIALS):
+        x1 = int(sample(draft[0], g))
+        counts[x1, int(sample(draft[x1], g))] += 1
+    assert _chi_square(counts, TRIALS * target[0][:, None] * target) > CHI2_999_DF24
