@@ -1,0 +1,65 @@
+"""Export a trained drafter for a serving engine: vLLM, SGLang or speculators layout, verified by re-import.
+
+    eaglekit export runs/train/final --to vllm output=runs/export/vllm
+    eaglekit export runs/train/final --to sglang output=runs/export/sglang dtype=bf16
+    eaglekit export runs/train/final --to speculators output=runs/export/spec
+
+The exporter refuses drafters the engine would load with different behaviour (missing `d2t`, an
+SGLang export of a norm_before_residual drafter, ...), converts the aux layer ids to the engine's
+convention (vLLM: input of layer, as eaglekit; SGLang: output of layer = ours - 1) and writes them
+where that engine reads them. The written checkpoint is re-read and its logits on a probe input
+compared with the source drafter before the command reports success (`manifest.json` written last).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eaglekit.config import option, save_resolved
+from eaglekit.errors import EaglekitError
+from eaglekit.interop.formats import EXPORT_FORMATS
+
+log = logging.getLogger(__name__)
+
+POSITIONAL = ("drafter",)
+DTYPES = ("keep", "bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Config:
+    drafter: str = option("", "eaglekit drafter directory (config.json + model.safetensors), e.g. runs/train/final")
+    to: str = option("vllm", "checkpoint layout to write", choices=EXPORT_FORMATS)
+    output: str = option("", "output directory (default: <drafter>-<to>)")
+    dtype: str = option("keep", "weight dtype of the written checkpoint", choices=DTYPES)
+    include_embedding: bool = option(True, "write embed_tokens.weight (off: the engine shares the target's embedding)")
+    speculative_tokens: int = option(3, "speculators only: speculative_tokens of the greedy proposal method")
+
+
+def run(config: Config) -> dict[str, Any]:
+    import torch
+
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.interop.convert import export_drafter
+    from eaglekit.manifest import file_sha256, write_manifest
+
+    if not config.drafter:
+        raise EaglekitError("no drafter given: eaglekit export <drafter dir> --to vllm|sglang|speculators")
+    source = Path(config.drafter)
+    output = Path(config.output or f"{source.as_posix().rstrip('/')}-{config.to}")
+    if output.resolve() == source.resolve():
+        raise EaglekitError("output must differ from the drafter directory; pass output=<new dir>")
+    drafter = Eagle3Drafter.from_pretrained(source)
+    dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
+    summary = export_drafter(drafter, output, config.to, dtype=dtype, include_embedding=config.include_embedding,
+                             speculative_tokens=config.speculative_tokens)
+    save_resolved(config, output, name="eaglekit_export.yaml")
+    write_manifest(output, "export", {"source": str(source), "summary": summary,
+                                      "weights_sha256": file_sha256(output / "model.safetensors")})
+    log.info("wrote %s checkpoint to %s (aux ids as written: %s; probe logits max diff %.3g)", config.to, output,
+             summary["config_aux_layer_ids"], summary["max_logit_difference"])
+    print(f"exported {source} -> {output} ({config.to}); aux layer ids written: {summary['config_aux_layer_ids']} "
+          f"(input-of-layer: {summary['aux_layer_ids_input_of_layer']}); re-import matched the source logits")
+    return summary
