@@ -107,7 +107,7 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, Any]]:
         else:
             builder = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}[path.suffix]
             loaded = datasets.load_dataset(builder, data_files=str(path))
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
         raise EaglekitError(f"cannot read {path} as a Hugging Face dataset: {error}") from None
     if isinstance(loaded, datasets.DatasetDict):
         names = list(loaded)
