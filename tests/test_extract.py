@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalL
 from eaglekit.config import load_config
 from eaglekit.data import read_conversations, tokenize_conversation
 from eaglekit.errors import EaglekitError
+from eaglekit.manifest import file_sha256
 from eaglekit.stages import extract
 from eaglekit.target import shard_writer
 from eaglekit.target.capture import HiddenStateCapture, forward_target
@@ -129,8 +130,11 @@ def test_disk_full_keeps_earlier_shards_and_resume_completes(target_dir, data_fi
     with pytest.raises(EaglekitError, match="No space left.*intact.*re-run"):
         run_extract(target_dir, data_file, tmp_path)
     assert not (tmp_path / "manifest.json").exists()
-    assert not list(tmp_path.glob(".*tmp")) and [p.name for p in tmp_path.glob("shard-*")] == ["shard-r00-00000.safetensors"]
-    first = json.loads((tmp_path / "shards-r00.jsonl").read_text().splitlines()[0])
+    logged = [json.loads(line) for line in (tmp_path / "shards-r00.jsonl").read_text().splitlines()]
+    assert not list(tmp_path.glob(".*tmp")) and "shard-r00-00001.safetensors" not in {e["file"] for e in logged}
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == sorted(e["file"] for e in logged)  # only complete, logged shards
+    assert all(file_sha256(tmp_path / e["file"]) == e["sha256"] for e in logged)
+    first = logged[0]
     monkeypatch.setattr(shard_writer, "write_safetensors", real)
     run_extract(target_dir, data_file, tmp_path)
     resumed, fresh = HiddenStateDataset(tmp_path), HiddenStateDataset(fp32_store[0])

@@ -59,6 +59,7 @@ class Config:
     max_batch_size: int = option(64, "most records per forward")
     shard_mb: float = option(1024.0, "approximate size of one shard file in MiB")
     buffers: int = option(3, "host shard buffers in the writer ring (memory = buffers x shard_mb)")
+    writer_threads: int = option(2, "threads hashing and writing shards in parallel")
     chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
     decoder_path: str = option("", "dotted path of the decoder layer list, when the search picks the wrong one")
     limit: int = option(0, "extract only the first N records (0 = all)")
@@ -302,7 +303,7 @@ def run(config: Config) -> ExtractResult:
     start = max((e["index"] + 1 for e in read_shard_log(out, rank)), default=0)
     writer = ShardWriter(out, layout, capacity, rank=rank, start_index=start, num_buffers=config.buffers,
                          pin_memory=_input_device(model).type == "cuda",
-                         metadata={"target": config.target, "dtype": config.dtype})
+                         metadata={"target": config.target, "dtype": config.dtype}, num_threads=config.writer_threads)
     begin = time.perf_counter()
     try:
         with HiddenStateCapture(model, aux_ids, decoder_path=stack.path) as capture:
@@ -313,7 +314,8 @@ def run(config: Config) -> ExtractResult:
         writer.abort()
         raise
     seconds = time.perf_counter() - begin
-    stats.update(tokens_extracted=tokens, seconds=round(seconds, 2), tokens_per_second=round(tokens / max(seconds, 1e-9), 1))
+    stats.update(tokens_extracted=tokens, seconds=round(seconds, 2), tokens_per_second=round(tokens / max(seconds, 1e-9), 1),
+                 writer_wait_seconds=round(writer.wait_seconds, 2))
     _barrier(world)
     if rank == 0:
         _finish(out, config, model, stack.path, layout, identity, stats, verification, world)

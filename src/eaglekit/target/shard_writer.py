@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,12 +78,14 @@ class ShardWriter:
     """Accumulate records into bounded shards and write them on a background thread."""
 
     def __init__(self, directory: str | Path, layout: StoreLayout, capacity_tokens: int, rank: int = 0,
-                 start_index: int = 0, num_buffers: int = 2, pin_memory: bool = False, metadata: dict[str, str] | None = None):
+                 start_index: int = 0, num_buffers: int = 2, pin_memory: bool = False, metadata: dict[str, str] | None = None,
+                 num_threads: int = 2):
         self.directory, self.layout, self.rank = Path(directory), layout, rank
         self.capacity, self.index = capacity_tokens, start_index
         self.metadata = metadata or {}
         self.entries: list[dict[str, Any]] = []
         self.error: BaseException | None = None
+        self.wait_seconds = 0.0  # compute time spent waiting for a free buffer (the disk was behind)
         self._free: queue.Queue[_Buffer] = queue.Queue()
         self._full: queue.Queue[tuple[_Buffer, Any, int] | None] = queue.Queue()
         for _ in range(num_buffers):
@@ -90,8 +93,11 @@ class ShardWriter:
                        for name, (width, dtype) in layout.widths().items()}
             self._free.put(_Buffer(tensors))
         self._current: _Buffer | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"eaglekit-shard-writer-r{rank}", daemon=True)
-        self._thread.start()
+        # several threads: hashing and writing of different shards overlap (both release the GIL)
+        self._threads = [threading.Thread(target=self._loop, name=f"eaglekit-shard-writer-r{rank}-{i}", daemon=True)
+                         for i in range(max(1, min(num_threads, num_buffers)))]
+        for thread in self._threads:
+            thread.start()
 
     # ---- compute side ----
     def _raise_if_failed(self) -> None:
@@ -103,10 +109,17 @@ class ShardWriter:
             ) from self.error
 
     def _acquire(self) -> _Buffer:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        started = time.perf_counter()
         while True:
             self._raise_if_failed()
             try:
-                return self._free.get(timeout=0.5)
+                buffer = self._free.get(timeout=0.5)
+                self.wait_seconds += time.perf_counter() - started
+                return buffer
             except queue.Empty:
                 continue
 
@@ -149,16 +162,20 @@ class ShardWriter:
         """Write the last partial shard, wait for the writer; returns the log entries written this run."""
         if self.error is None:
             self._submit()
-        self._full.put(None)
-        self._thread.join()
+        self._stop()
         self._raise_if_failed()
         return self.entries
 
     def abort(self) -> None:
         """Stop without writing the partial shard (after an error or interrupt)."""
         self._current = None
-        self._full.put(None)
-        self._thread.join(timeout=60)
+        self._stop(timeout=60)
+
+    def _stop(self, timeout: float | None = None) -> None:
+        for _ in self._threads:
+            self._full.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
 
     # ---- writer thread ----
     def _loop(self) -> None:

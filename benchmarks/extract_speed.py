@@ -1,0 +1,210 @@
+"""Extraction throughput against the bare target forward pass at the same batch shape, in the same run.
+
+    python benchmarks/extract_speed.py                     # CUDA: 8B-shaped Llama (random bf16) and the tiny target
+    python benchmarks/extract_speed.py --smoke             # CPU, tiny shapes, seconds
+    python benchmarks/extract_speed.py --batch-size 4 --seq-len 4096 --shard-dir /local/nvme/tmp
+
+"bare" is `forward_target` (the call extract makes: no KV cache, logits for the last position only)
+on device-resident ids. "extract" is the real extract loop (`eaglekit.stages.extract.extract_batches`:
+padding/index build, hooks, hook-count and shape checks, padding strip, dtype conversion or float8
+quantisation, async copy into pinned shard buffers, background sha256 + atomic shard writes) timed
+until the writer has flushed every shard to disk (fsync included; `ratio_before_final_flush` stops the
+clock when the last batch is handed over, i.e. without the tail write a long run amortises). Both see the same (B, T) batches
+of random ids; repeats alternate bare/extract; figures are medians after a warm-up. The 8B model is
+built on the meta device, materialised with `to_empty` and initialised in place (random weights: the
+speed does not depend on their values). Writes JSON (hardware, commit, config, figures) to `--out`
+and a markdown table beside it; the goal is extract >= 85% of bare tokens/s on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "smoke": (64, 128, 4, 4, 2, 512),
+    "8b": (4096, 14336, 32, 32, 8, 128256),
+}
+GOAL = 0.85
+
+
+def build_llama(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random Llama of `shape`: built on meta, materialised with to_empty, initialised in place."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=8192, rope_theta=500000.0, dtype=dtype)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1:  # norm weights
+                parameter.fill_(1.0)
+            else:
+                parameter.normal_(0.0, 0.02, generator=generator)
+        with torch.device(device):  # its inv_freq buffers were left empty by to_empty
+            model.model.rotary_emb = LlamaRotaryEmbedding(config)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def load_tiny(device: torch.device, dtype: torch.dtype) -> torch.nn.Module | None:
+    from eaglekit.target.loading import load_target, tiny_target_path
+
+    if not (tiny_target_path() / "config.json").is_file():
+        return None
+    return load_target("tiny", device=device, dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_bare(model: torch.nn.Module, ids: list[torch.Tensor], device: torch.device) -> float:
+    """Seconds for one forward per batch in `ids` ((B, T) each, already on `device`)."""
+    from eaglekit.target.capture import forward_target
+
+    masks = [torch.ones_like(x) for x in ids]
+    _sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for x, mask in zip(ids, masks):
+            forward_target(model, x, mask)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def time_extract(model, ids: list[torch.Tensor], dtype: str, shard_dir: Path, args) -> dict:
+    """Seconds, bytes and writer wait for the real extract loop over the same batches, flushed to disk."""
+    from eaglekit.stages.extract import Record, extract_batches
+    from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, find_decoder, text_config
+    from eaglekit.target.shard_writer import ShardWriter
+    from eaglekit.target.store import StoreLayout
+
+    device = ids[0].device
+    batches = [[Record(f"b{b}r{r}", row.cpu(), torch.ones(len(row), dtype=torch.uint8)) for r, row in enumerate(x)]
+               for b, x in enumerate(ids)]
+    layout = StoreLayout(text_config(model.config).hidden_size, 3, dtype)
+    capacity = max(int(args.shard_mb * 2**20) // layout.bytes_per_token, ids[0].numel())
+    out = Path(tempfile.mkdtemp(prefix="extract-bench-", dir=shard_dir))
+    writer = ShardWriter(out, layout, capacity, num_buffers=args.buffers, pin_memory=device.type == "cuda")
+    try:
+        with HiddenStateCapture(model, default_aux_layers(find_decoder(model).num_layers)) as capture:
+            _sync(device)
+            start = time.perf_counter()
+            tokens = extract_batches(model, capture, batches, writer, layout, 0, show=False)
+            _sync(device)
+            loop_seconds = time.perf_counter() - start
+            entries = writer.close()
+            _sync(device)
+            seconds = time.perf_counter() - start
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"seconds": seconds, "loop_seconds": loop_seconds, "tokens": tokens, "bytes": sum(e["bytes"] for e in entries),
+            "writer_wait_s": writer.wait_seconds, "shards": len(entries)}
+
+
+def bench_target(name: str, model: torch.nn.Module, device: torch.device, args) -> list[dict]:
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(1, vocab, (args.batch_size, args.seq_len), generator=generator).to(device) for _ in range(args.steps)]
+    tokens = args.steps * args.batch_size * args.seq_len
+    time_bare(model, ids[:1], device)  # warm-up (kernels, allocator)
+    time_extract(model, ids[:1], "bf16", args.shard_dir, args)
+    rows = []
+    for dtype in args.dtypes:
+        bare, extract = [], []
+        for _ in range(args.repeats):
+            bare.append(tokens / time_bare(model, ids, device))
+            extract.append(time_extract(model, ids, dtype, args.shard_dir, args))
+        bare_tps = statistics.median(bare)
+        extract_tps = statistics.median(tokens / e["seconds"] for e in extract)
+        bytes_per_token = extract[0]["bytes"] / extract[0]["tokens"]
+        rows.append({
+            "target": name, "storage_dtype": dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "tokens_per_repeat": tokens, "bare_tokens_per_s": round(bare_tps, 1), "extract_tokens_per_s": round(extract_tps, 1),
+            "ratio": round(extract_tps / bare_tps, 4),
+            "ratio_before_final_flush": round(statistics.median(tokens / e["loop_seconds"] for e in extract) / bare_tps, 4),
+            "bare_all": [round(x, 1) for x in bare],
+            "extract_all": [round(tokens / e["seconds"], 1) for e in extract],
+            "writer_wait_s": [round(e["writer_wait_s"], 3) for e in extract], "shards_per_repeat": extract[0]["shards"],
+            "bytes_per_token": round(bytes_per_token, 1),
+            "storage_10k_x_2k_tokens_GB": round(bytes_per_token * 10_000 * 2_048 / 1e9, 1),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| target | storage | B x T | bare tok/s | extract tok/s | ratio | bytes/token | 10k x 2k tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['target']} | {r['storage_dtype']} | {r['batch_size']} x {r['seq_len']} | {r['bare_tokens_per_s']:,.0f} | "
+                     f"{r['extract_tokens_per_s']:,.0f} | {r['ratio']:.1%} | {r['bytes_per_token']:,.0f} | {r['storage_10k_x_2k_tokens_GB']} GB |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=16, help="batches per timed repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default="bf16,float8_e4m3fn", help="storage dtypes to measure")
+    parser.add_argument("--shard-mb", type=float, default=512.0)
+    parser.add_argument("--buffers", type=int, default=3)
+    parser.add_argument("--shard-dir", default=None, help="where shards are written (default: the system temp dir)")
+    parser.add_argument("--no-tiny", action="store_true", help="skip the built-in tiny target")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract_speed[_smoke].json)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shape, args.batch_size, args.seq_len, args.steps, args.repeats, args.shard_mb = "smoke", 2, 64, 3, 2, 0.05
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from eaglekit.manifest import environment
+
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.smoke:
+        sys.exit("no CUDA GPU: run with --smoke for the CPU check")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    rows = bench_target(f"llama-{args.shape}-shape (random)", build_llama(args.shape, device, dtype), device, args)
+    tiny = None if args.no_tiny else load_tiny(device, dtype)
+    if tiny is not None:
+        tiny_args = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size * 8 if not args.smoke else 2})
+        rows += bench_target("tiny (built-in)", tiny, device, tiny_args)
+    result = {"benchmark": "extract_speed", "goal": f"extract >= {GOAL:.0%} of bare forward tokens/s",
+              "config": {k: v for k, v in vars(args).items()}, "device": str(device), "environment": environment(),
+              "tiny_target": "measured" if tiny is not None else "absent from this checkout (src/eaglekit/assets/tiny_target)",
+              "results": rows, "goal_met": all(r["ratio"] >= GOAL for r in rows) if device.type == "cuda" else None}
+    out = Path(args.out or Path(__file__).parent / "results" / f"extract_speed{'_smoke' if args.smoke else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows))
+    print(markdown(rows))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
