@@ -1,0 +1,59 @@
+"""Loading what the decode stages need: target, tokenizer, drafter (with the target's embedding),
+prompt ids through the chat template, EOS ids, and the backend choice ("auto")."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
+
+
+def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    """An eaglekit drafter on `device`; a drafter saved without its embedding gets the target's."""
+    from eaglekit.draft.model import Eagle3Drafter
+
+    drafter = Eagle3Drafter.from_pretrained(path, device=device, dtype=dtype).eval()
+    drafter.requires_grad_(False)
+    if not bool(drafter.embed_tokens.weight.any()):
+        drafter.load_target_embedding(target.get_input_embeddings().weight)
+    if drafter.config.vocab_size != target.get_output_embeddings().weight.shape[0]:
+        raise EaglekitError(f"drafter {path} was made for a vocabulary of {drafter.config.vocab_size} tokens, the target has "
+                            f"{target.get_output_embeddings().weight.shape[0]}: train or import a drafter for this target")
+    return drafter
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], chat: bool = True) -> list[int]:
+    """Token ids of `messages` + the generation prompt (chat template), or of the plain text."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def eos_ids(tokenizer: Any, target: torch.nn.Module) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for value in (getattr(getattr(target, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def resolve_backend(name: str, target: torch.nn.Module) -> str:
+    """'auto' -> 'static' for Llama-family dense targets, else 'eager'."""
+    if name != "auto":
+        return name
+    from eaglekit.decode.static import StaticLlama
+
+    try:
+        StaticLlama(target, 8, None)
+    except EaglekitError as error:
+        log.info("static fast path unavailable (%s); using the eager backend", error)
+        return "eager"
+    return "static"

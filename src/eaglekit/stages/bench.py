@@ -1,0 +1,216 @@
+"""Benchmark decoding methods on a prompt file: tau, acceptance per position, tokens/s, time per token.
+
+    eaglekit bench --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/train/final \
+        --prompts mtbench.jsonl --output runs/bench --assistant meta-llama/Llama-3.2-1B-Instruct
+
+Methods (`methods=`): plain (eaglekit's own plain decoding, fast path when the target allows), hf
+(`model.generate`), hf_assisted (HF assisted generation with `assistant=`, skipped without one),
+hf_prompt_lookup (HF prompt-lookup decoding), chain and tree (eaglekit EAGLE-3). Each runs at every
+temperature in `temperatures=`. The first `warmup` prompts are run once untimed; every timed prompt is
+run `repeats` times and the median is kept. Writes bench.json, bench.md and bench.png to `output`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eaglekit.config import option, save_resolved, to_dict
+from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
+
+POSITIONAL = ("prompts",)
+ALL_METHODS = ("plain", "hf", "hf_assisted", "hf_prompt_lookup", "chain", "tree")
+
+
+@dataclass(frozen=True)
+class Config:
+    target: str = option("", "target model directory, hub id or 'tiny'")
+    drafter: str = option("", "eaglekit drafter directory (for chain and tree)")
+    prompts: str = option("", "prompt file: JSONL/JSON conversations (OpenAI messages, ShareGPT, prompt/completion)")
+    output: str = option("runs/bench", "directory for bench.json, bench.md, bench.png")
+    methods: tuple[str, ...] = option(ALL_METHODS, "methods to measure (subset of: " + ", ".join(ALL_METHODS) + ")")
+    temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures to measure at")
+    num_prompts: int = option(0, "use the first N prompts (0 = all)")
+    max_new_tokens: int = option(128, "tokens generated per prompt")
+    repeats: int = option(3, "timed runs per prompt (median kept)")
+    warmup: int = option(1, "prompts run once untimed before timing each method")
+    assistant: str = option("", "small draft model (same tokenizer) for HF assisted generation")
+    prompt_lookup_num_tokens: int = option(10, "HF prompt lookup: tokens proposed per step")
+    depth: int = option(6, "tree: draft levels")
+    tree_top_k: int = option(8, "tree: children per node and nodes expanded per level")
+    total_tokens: int = option(48, "tree: draft nodes verified per target forward")
+    chain_length: int = option(4, "chain: draft tokens per target forward")
+    backend: str = option("auto", "eaglekit backend: auto, eager or static", choices=("auto", "eager", "static"))
+    compile: bool = option(False, "torch.compile + CUDA graphs for eaglekit's fixed-shape steps (GPU)")
+    seed: int = option(0, "sampling seed")
+    device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
+    dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
+    trust_remote_code: bool = option(False, "allow the target's own modelling code")
+
+
+def _prompt_messages(conversation) -> list[dict[str, str]]:
+    """The conversation up to (not including) its last assistant turn."""
+    from eaglekit.data import template_messages
+
+    messages = template_messages(conversation)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise EaglekitError(f"conversation {conversation.id} has no user turn to use as a prompt")
+    return messages
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Runner:
+    """Runs one method on one prompt -> (new tokens, seconds, accepted-per-step or None)."""
+
+    def __init__(self, config: Config, target, drafter, assistant, tokenizer, eos, backend, device):
+        self.config, self.target, self.drafter, self.assistant = config, target, drafter, assistant
+        self.tokenizer, self.eos, self.backend, self.device = tokenizer, eos, backend, device
+
+    def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, list[int] | None]:
+        import torch
+
+        _sync(self.device)
+        start = time.perf_counter()
+        if method.startswith("hf"):
+            kwargs: dict[str, Any] = {"do_sample": temperature > 0, "max_new_tokens": self.config.max_new_tokens,
+                                      "eos_token_id": list(self.eos) or None, "pad_token_id": self.tokenizer.pad_token_id or 0}
+            if temperature > 0:
+                kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+            if method == "hf_assisted":
+                kwargs["assistant_model"] = self.assistant
+            if method == "hf_prompt_lookup":
+                kwargs["prompt_lookup_num_tokens"] = self.config.prompt_lookup_num_tokens
+            prompt = torch.tensor([ids], device=self.device)
+            out = self.target.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+            _sync(self.device)
+            return out.shape[1] - len(ids), time.perf_counter() - start, None
+        from eaglekit.decode import generate
+
+        c = self.config
+        result = generate(self.target, self.drafter, ids, c.max_new_tokens, method=method, backend=self.backend,
+                          compile=c.compile, temperature=temperature, depth=c.depth, tree_top_k=c.tree_top_k,
+                          total_tokens=c.total_tokens, chain_length=c.chain_length, eos_token_ids=self.eos, seed=c.seed)
+        _sync(self.device)
+        return len(result.tokens), time.perf_counter() - start, (result.stats.accepted if method != "plain" else None)
+
+
+def _measure(runner: _Runner, method: str, temperature: float, prompts: list[list[int]], config: Config) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    for ids in prompts[: config.warmup]:
+        runner(method, ids, temperature)
+    tokens, seconds, accepted = 0, 0.0, []
+    for ids in tqdm(prompts, desc=f"{method} T={temperature}", leave=False):
+        runs = [runner(method, ids, temperature) for _ in range(config.repeats)]
+        tokens += runs[0][0]
+        seconds += statistics.median(r[1] for r in runs)
+        if runs[0][2] is not None:
+            accepted.extend(runs[0][2])
+    depth = config.chain_length if method == "chain" else config.depth
+    row: dict[str, Any] = {"method": method, "temperature": temperature, "new_tokens": tokens, "seconds": seconds,
+                           "tokens_per_second": tokens / seconds if seconds else None,
+                           "ms_per_token": 1000 * seconds / tokens if tokens else None}
+    if method in ("chain", "tree"):
+        steps = max(len(accepted), 1)
+        row["tau"] = sum(a + 1 for a in accepted) / steps
+        row["acceptance_per_position"] = [sum(a > i for a in accepted) / steps for i in range(depth)]
+    return row
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eaglekit.manifest import atomic_path
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row in rows:
+        if "acceptance_per_position" in row:
+            rates = row["acceptance_per_position"]
+            left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{row['method']} T={row['temperature']:g} (tau {row['tau']:.2f})")
+    left.set(xlabel="draft position", ylabel="accepted fraction of steps", title="acceptance per position", ylim=(0, 1.05))
+    left.legend(fontsize=8)
+    labels = [f"{r['method']}\nT={r['temperature']:g}" for r in rows]
+    right.bar(range(len(rows)), [r["tokens_per_second"] or 0 for r in rows], color="tab:blue")
+    right.set_xticks(range(len(rows)), labels, fontsize=7)
+    right.set(ylabel="tokens / s", title="decoding speed (median of repeats)")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| method | T | tokens/s | ms/token | tau | acceptance per position |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
+        tau = f"{r['tau']:.2f}" if "tau" in r else ""
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_second'] or 0:.1f} | {r['ms_per_token'] or 0:.2f} | {tau} | {rates} |")
+    return "\n".join(lines) + "\n"
+
+
+def _check(config: Config) -> list[str]:
+    if not config.target or not config.prompts:
+        raise EaglekitError("bench needs target=... and a prompt file: eaglekit bench PROMPTS.jsonl target=PATH drafter=DIR")
+    unknown = [m for m in config.methods if m not in ALL_METHODS]
+    if unknown:
+        raise EaglekitError(f"unknown bench methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    methods = [m for m in config.methods if not (m == "hf_assisted" and not config.assistant)]
+    if any(m in ("chain", "tree") for m in methods) and not config.drafter:
+        raise EaglekitError("methods chain/tree need drafter=DIR; or leave them out: methods=plain,hf,hf_prompt_lookup")
+    if config.repeats < 1:
+        raise EaglekitError("repeats must be >= 1")
+    return methods
+
+
+def run(config: Config) -> dict[str, Any]:
+    from eaglekit.data import read_conversations
+    from eaglekit.decode.setup import eos_ids, load_drafter, prompt_ids, resolve_backend
+    from eaglekit.manifest import atomic_write_json, atomic_write_text, environment, write_manifest
+    from eaglekit.runtime import resolve_device, resolve_dtype
+    from eaglekit.target.loading import load_target, load_tokenizer
+
+    methods = _check(config)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    conversations = read_conversations(config.prompts)
+    if config.num_prompts:
+        conversations = conversations[: config.num_prompts]
+    if not conversations:
+        raise EaglekitError(f"{config.prompts} holds no conversations")
+    target = load_target(config.target, device, dtype, config.trust_remote_code)
+    tokenizer = load_tokenizer(config.target, config.trust_remote_code)
+    drafter = load_drafter(config.drafter, target, device, dtype) if config.drafter else None
+    assistant = load_target(config.assistant, device, dtype, config.trust_remote_code) if "hf_assisted" in methods else None
+    prompts = [prompt_ids(tokenizer, _prompt_messages(c)) for c in conversations]
+    backend = resolve_backend(config.backend, target)
+    runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device)
+    rows = [_measure(runner, m, t, prompts, config) for t in config.temperatures for m in methods]
+    for row in rows:
+        log.info("%s", row)
+    output = Path(config.output)
+    output.mkdir(parents=True, exist_ok=True)
+    result = {"rows": rows, "backend": backend, "num_prompts": len(prompts), "config": to_dict(config), "environment": environment()}
+    atomic_write_json(output / "bench.json", result)
+    atomic_write_text(output / "bench.md", _table(rows))
+    _plot(rows, output / "bench.png")
+    save_resolved(config, output)
+    write_manifest(output, "bench", {"outputs": ["bench.json", "bench.md", "bench.png"]})
+    print(_table(rows))
+    return result

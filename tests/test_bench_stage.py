@@ -1,0 +1,72 @@
+"""`eaglekit generate` and `eaglekit bench` on a tiny chat model with a random drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eaglekit.config import load_config
+from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+from eaglekit.errors import EaglekitError
+from eaglekit.stages import bench, generate
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(chat_target, tmp_path_factory):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(chat_target)
+    torch.manual_seed(4)
+    drafter = Eagle3Drafter(DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=config.vocab_size,
+        draft_vocab_size=config.vocab_size, target_hidden_size=32, aux_layer_ids=(2, 2, 1)))
+    drafter.set_vocab_mapping(torch.arange(config.vocab_size))
+    return str(drafter.save_pretrained(tmp_path_factory.mktemp("drafter"), include_embedding=False))
+
+
+def test_generate_stage_methods_agree(chat_target, drafter_dir, tmp_path, capsys):
+    outputs = {}
+    for method in ("plain", "chain", "tree"):
+        config = load_config(generate.Config, overrides=[f"target={chat_target}", f"drafter={drafter_dir}", "prompt=hello world",
+                                                         f"method={method}", "max_new_tokens=12", "device=cpu",
+                                                         f"output={tmp_path / method}.json"])
+        outputs[method] = generate.run(config)
+    assert outputs["plain"]["tokens"] == outputs["chain"]["tokens"] == outputs["tree"]["tokens"]
+    saved = json.loads((tmp_path / "tree.json").read_text())
+    assert saved["tokens"] == outputs["tree"]["tokens"] and saved["tau"] >= 1.0
+    assert "tau" in capsys.readouterr().out
+
+
+def test_generate_stage_needs_drafter(chat_target):
+    with pytest.raises(EaglekitError, match="drafter=DIR"):
+        generate.run(load_config(generate.Config, overrides=[f"target={chat_target}", "prompt=hi"]))
+
+
+def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"}]},
+            {"messages": [{"role": "user", "content": "hello"}]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "bench"
+    config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"drafter={drafter_dir}",
+                                                  f"output={out}", "methods=plain,hf,hf_assisted,hf_prompt_lookup,chain,tree",
+                                                  "temperatures=0.0,1.0", "max_new_tokens=6", "repeats=2", "warmup=1",
+                                                  "device=cpu", "depth=3", "tree_top_k=3", "total_tokens=8"])
+    result = bench.run(config)
+    methods = [(r["method"], r["temperature"]) for r in result["rows"]]
+    assert ("hf_assisted", 0.0) not in methods  # no assistant given: skipped
+    assert len(methods) == 10
+    saved = json.loads((out / "bench.json").read_text())
+    tree = next(r for r in saved["rows"] if r["method"] == "tree" and r["temperature"] == 0.0)
+    assert tree["tau"] >= 1.0 and len(tree["acceptance_per_position"]) == 3
+    assert all(r["tokens_per_second"] > 0 for r in saved["rows"])
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "manifest.json").is_file() and "| tree | 0 |" in (out / "bench.md").read_text()
+
+
+def test_bench_rejects_unknown_method(tmp_path):
+    config = load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", "methods=plain,beam"])
+    with pytest.raises(EaglekitError, match="unknown bench methods"):
+        bench.run(config)
