@@ -132,28 +132,32 @@ def record_seed(seed: int, record_id: str) -> int:
 
 
 def scan_finished(path: Path, key: str = "id") -> set[str]:
-    """Ids in an append-only JSONL file. A partial last line (a crash mid-write) is cut off the file."""
+    """Ids in an append-only JSONL file. A partial last line (a crash mid-write) is cut off the file.
+
+    Each record is written with one `write` ending in a newline, so only an interrupted write leaves a
+    line without one; a newline-terminated line that is not a record means the file was damaged.
+    """
     if not path.is_file():
         return set()
     ids: set[str] = set()
     good_end = 0
     with open(path, "rb") as handle:
-        lines = handle.readlines()
-    for number, raw in enumerate(lines, 1):
-        try:
-            record = json.loads(raw) if raw.endswith(b"\n") else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            record = None
-        if not isinstance(record, dict) or key not in record:
-            if number == len(lines):
+        for number, raw in enumerate(handle, 1):
+            if not raw.endswith(b"\n"):
                 log.warning("%s: dropping a partial last line (%d bytes) left by an interrupted run", path, len(raw))
-                with open(path, "r+b") as handle:
-                    handle.truncate(good_end)
                 break
-            raise EaglekitError(f"{path} line {number} is not a finished record (edited or corrupted?); "
-                                "remove that line and re-run")
-        ids.add(str(record[key]))
-        good_end += len(raw)
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                record = None
+            if not isinstance(record, dict) or key not in record:
+                raise EaglekitError(f"{path} line {number} is not a finished record (edited or corrupted?); "
+                                    "remove that line and re-run")
+            ids.add(str(record[key]))
+            good_end += len(raw)
+    if good_end < path.stat().st_size:
+        with open(path, "r+b") as handle:
+            handle.truncate(good_end)
     return ids
 
 
