@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 
 import pytest
@@ -231,3 +232,45 @@ def test_target_report(target_dir):
     assert report["verification"]["ok"] and "transformers.models.llama.modeling_llama.LlamaForCausalLM" in report["mro"]
     text = format_target_report(report)
     assert "loaded class:     LlamaForCausalLM" in text and "verification:     OK" in text and "model.layers" in text
+
+
+def test_split_and_merge_across_ranks(tmp_path):
+    from eaglekit.target.store import fsync_append, log_name, merge_shard_logs, split_for_rank
+
+    batches = list(range(11))
+    shares = [split_for_rank(batches, rank, 3) for rank in range(3)]
+    assert sorted(sum(shares, [])) == batches and [len(s) for s in shares] == [4, 4, 3]
+    for rank, records in ((1, ["c", "d"]), (0, ["a", "b"])):
+        name = f"shard-r{rank:02d}-00000.safetensors"
+        (tmp_path / name).write_bytes(b"x" * 5)
+        fsync_append(tmp_path / log_name(rank), json.dumps({"file": name, "rank": rank, "index": 0, "records": records,
+                                                            "num_tokens": 2, "bytes": 5, "sha256": "0"}))
+    (tmp_path / log_name(1)).open("a").write('{"torn": ')  # a crash mid-line: ignored
+    assert [e["records"] for e in merge_shard_logs(tmp_path)] == [["a", "b"], ["c", "d"]]
+    fsync_append(tmp_path / log_name(2), json.dumps({"file": "shard-r00-00000.safetensors", "rank": 2, "index": 0,
+                                                     "records": ["a"], "num_tokens": 1, "bytes": 5, "sha256": "0"}))
+    with pytest.raises(EaglekitError, match="record a is in both"):
+        merge_shard_logs(tmp_path)
+
+
+def test_torchrun_two_ranks_gloo(target_dir, data_file, fp32_store, tmp_path):
+    """Two CPU processes under torchrun (gloo): each rank writes its own shards, rank 0 one merged manifest."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "-m", "eaglekit", "extract", str(data_file), f"output={tmp_path}",
+               f"target={target_dir}", "dtype=fp32", "device=cpu", "batch_tokens=512", "max_batch_size=4", "shard_mb=0.1",
+               "max_length=256"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    dataset, reference = HiddenStateDataset(tmp_path), HiddenStateDataset(fp32_store[0])
+    assert dataset.manifest["world_size"] == 2 and {s["rank"] for s in dataset.manifest["shards"]} == {0, 1}
+    assert sorted(dataset.ids) == sorted(reference.ids)
+    by_id = {reference[i]["id"]: reference[i] for i in range(len(reference))}
+    for i in range(len(dataset)):
+        torch.testing.assert_close(dataset[i]["aux"], by_id[dataset[i]["id"]]["aux"], atol=2e-5, rtol=1e-4)
