@@ -113,6 +113,15 @@ def test_resume_after_crash_skips_finished_and_matches_uninterrupted(prompts, ch
     assert _hf(prompts, chat_target, tmp_path / "out").stats["generated"] == 0  # a third run has nothing to do
 
 
+def test_damaged_line_inside_the_output_is_an_error(tmp_path):
+    path = tmp_path / "conversations.jsonl"
+    path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(EaglekitError, match="line 2"):
+        scan_finished(path)
+    path.write_text('{"id": "a"}\n{"id": "b"')
+    assert scan_finished(path) == {"a"} and path.read_text() == '{"id": "a"}\n'
+
+
 def test_resume_with_other_settings_is_refused(prompts, chat_target, tmp_path):
     _hf(prompts, chat_target, tmp_path / "out", limit=1)
     with pytest.raises(EaglekitError, match="temperature"):
