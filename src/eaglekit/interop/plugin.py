@@ -1,0 +1,196 @@
+"""The out-of-tree vLLM plugin of `eaglekit doctor --fix`, and reading plugin registrations back.
+
+When a multimodal wrapper holds a language model that implements `SupportsEagle3` (and whose decoder
+collects the aux states) but the wrapper itself does not, vLLM refuses EAGLE-3 for the wrapper. The
+plugin registers, for that architecture, a subclass of the wrapper that adds `SupportsEagle3` and
+delegates both interface methods to `self.language_model`, through vLLM's `vllm.general_plugins`
+entry point and `ModelRegistry.register_model`. Nothing in site-packages is edited.
+
+What it does not cover: an inner decoder that does not collect aux states (a model change), a
+wrapper whose forward post-processes the language model's output (the aux states would be dropped),
+and pipeline parallelism across the wrapper (aux tensors between ranks are the model's business).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from eaglekit.errors import EaglekitError
+from eaglekit.interop.engine_source import DirectorySource, EngineSource
+from eaglekit.manifest import atomic_write_text
+
+GROUP = "vllm.general_plugins"
+GETTERS = ("get_eagle3_default_aux_hidden_state_layers", "get_eagle3_aux_hidden_state_layers")
+
+MODEL_TEMPLATE = '''"""{wrapper} with EAGLE-3 delegated to its inner language model ({inner}).
+
+Written by `eaglekit doctor --engine vllm --fix` for vLLM {version}. Registered for architecture
+{architecture!r} by `register()` in __init__.py (entry point group `vllm.general_plugins`).
+"""
+
+from vllm.model_executor.models.interfaces import SupportsEagle3
+from {module} import {wrapper} as _Wrapper
+
+GETTERS = {getters!r}
+
+
+class {name}(_Wrapper, SupportsEagle3):
+    """{wrapper} + SupportsEagle3: both interface methods forward to self.language_model."""
+
+    supports_eagle3 = True
+
+    def set_aux_hidden_state_layers(self, layers):
+        self.language_model.set_aux_hidden_state_layers(layers)
+
+    def _inner_default_layers(self):
+        for getter in GETTERS:
+            if hasattr(self.language_model, getter):
+                return getattr(self.language_model, getter)()
+        raise RuntimeError("{inner} has no EAGLE-3 default-layer getter; this plugin does not fit this vLLM")
+
+    def get_eagle3_aux_hidden_state_layers(self):
+        return self._inner_default_layers()
+
+    def get_eagle3_default_aux_hidden_state_layers(self):
+        return self._inner_default_layers()
+'''
+
+INIT_TEMPLATE = '''"""vLLM plugin written by eaglekit: EAGLE-3 for {architecture} by delegation to its language model."""
+
+ARCHITECTURE = {architecture!r}
+MODEL_CLASS = "{package}.model:{name}"
+
+
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+'''
+
+PYPROJECT_TEMPLATE = '''[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{distribution}"
+version = "0.1.0"
+description = "EAGLE-3 support for {architecture} in vLLM by delegation to its language model (written by eaglekit doctor --fix)"
+requires-python = ">=3.9"
+
+[project.entry-points."vllm.general_plugins"]
+{package} = "{package}:register"
+
+[tool.setuptools]
+packages = ["{package}"]
+'''
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()).strip("_")
+
+
+def write_vllm_plugin(report: dict[str, Any], output: str | Path) -> Path:
+    """Write the plugin package for the wrapper in `report` (a vLLM doctor report) under `output`."""
+    if report["engine"] != "vllm":
+        raise EaglekitError("--fix writes a vLLM plugin; SGLang has no out-of-tree model registration hook to use")
+    if report["verdict"] == "supported":
+        raise EaglekitError(f"{report['target']['architecture']} is already supported by this vLLM: nothing to fix")
+    if not report.get("plugin_fix_possible"):
+        why = "; ".join(report["reasons"]) or "the doctor could not establish the facts"
+        raise EaglekitError(f"a delegation plugin cannot fix this: {why}. Needed instead: {'; '.join(report['fix'])}")
+    wrapper = report.get("wrapper") or {}
+    if wrapper.get("forward_passthrough") is not True:
+        raise EaglekitError(f"{report['class']['class']}.forward does not visibly return the language model's output, so "
+                            "the aux states could be dropped on the way out; the plugin would not be enough")
+    architecture = report["target"]["architecture"]
+    package = f"eaglekit_eagle3_{_slug(architecture)}"
+    fields = {"architecture": architecture, "package": package, "name": f"Eagle3{report['class']['class']}",
+              "wrapper": report["class"]["class"], "module": report["class"]["module"],
+              "inner": wrapper["inner"]["class"], "getters": GETTERS, "version": report["engine_version"],
+              "distribution": package.replace("_", "-")}
+    root = Path(output) / package.replace("_", "-")
+    atomic_write_text(root / "pyproject.toml", PYPROJECT_TEMPLATE.format(**fields))
+    atomic_write_text(root / package / "model.py", MODEL_TEMPLATE.format(**fields))
+    atomic_write_text(root / package / "__init__.py", INIT_TEMPLATE.format(**fields))
+    return root
+
+
+# --- reading registrations -------------------------------------------------------------------
+def _registrations_in(module: str, tree: ast.Module, function: str, plugin: str, where: str) -> list[dict[str, Any]]:
+    found = []
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name == function):
+            continue
+        for call in ast.walk(node):
+            if not (isinstance(call, ast.Call) and ast.unparse(call.func).endswith("register_model") and len(call.args) >= 2):
+                continue
+            arch, target = call.args[0], call.args[1]
+            if not (isinstance(arch, ast.Constant) and isinstance(arch.value, str)):
+                continue
+            if isinstance(target, ast.Constant) and isinstance(target.value, str) and ":" in target.value:
+                target_module, target_class = target.value.split(":", 1)
+            elif isinstance(target, ast.Name):
+                target_module, target_class = module, target.id
+            else:
+                continue
+            found.append({"architecture": arch.value, "module": target_module, "class": target_class,
+                          "plugin": plugin, "where": f"{where}:{call.lineno}"})
+    return found
+
+
+def _module_file(roots: list[Path], module: str) -> tuple[Path, Path] | None:
+    base = module.replace(".", "/")
+    for root in roots:
+        for candidate in (root / f"{base}.py", root / base / "__init__.py"):
+            if candidate.is_file():
+                return root, candidate
+    return None
+
+
+def _scan_project(project: Path) -> tuple[list[dict[str, Any]], list[EngineSource]]:
+    data = tomllib.loads((project / "pyproject.toml").read_text())
+    entry_points = data.get("project", {}).get("entry-points", {}).get(GROUP, {})
+    registrations, sources = [], []
+    for name, value in entry_points.items():
+        module, _, function = value.partition(":")
+        located = _module_file([project, project / "src"], module)
+        if located is None:
+            continue
+        root, path = located
+        registrations += _registrations_in(module, ast.parse(path.read_text()), function or "register", name, str(path))
+        sources.append(DirectorySource(module.split(".")[0], root))
+    return registrations, sources
+
+
+def find_registrations(plugin_dirs: tuple[str, ...] = (), installed: bool = True) -> tuple[list[dict[str, Any]], list[EngineSource]]:
+    """vLLM plugin registrations from plugin project dirs and installed entry points, read without importing."""
+    registrations: list[dict[str, Any]] = []
+    sources: list[EngineSource] = []
+    for directory in plugin_dirs:
+        path = Path(directory).expanduser()
+        if not path.is_dir():
+            raise EaglekitError(f"plugins directory {path} does not exist")
+        projects = sorted({p.parent for p in [*path.glob("pyproject.toml"), *path.glob("*/pyproject.toml"), *path.glob("*/*/pyproject.toml")]})
+        for project in projects:
+            found, roots = _scan_project(project)
+            registrations += found
+            sources += roots
+    if installed:
+        for entry_point in importlib.metadata.entry_points(group=GROUP):
+            dist = entry_point.dist
+            if dist is None or not dist.files:
+                continue
+            base = entry_point.module.replace(".", "/")
+            for file in dist.files:
+                if str(file) in (f"{base}.py", f"{base}/__init__.py"):
+                    path = Path(dist.locate_file(file))
+                    root = Path(str(dist.locate_file("")))
+                    registrations += _registrations_in(entry_point.module, ast.parse(path.read_text()),
+                                                       entry_point.attr or "register", entry_point.name, str(path))
+                    sources.append(DirectorySource(entry_point.module.split(".")[0], root))
+    return registrations, sources
