@@ -113,6 +113,16 @@ def test_resume_after_crash_skips_finished_and_matches_uninterrupted(prompts, ch
     assert _hf(prompts, chat_target, tmp_path / "out").stats["generated"] == 0  # a third run has nothing to do
 
 
+def test_seeded_sampling_is_reproducible(prompts, chat_target, tmp_path):
+    sample = {"temperature": 1.0, "top_p": 0.9, "limit": 2}
+    _hf(prompts, chat_target, tmp_path / "one", seed=5, **sample)
+    _hf(prompts, chat_target, tmp_path / "two", seed=5, **sample)
+    _hf(prompts, chat_target, tmp_path / "three", seed=6, **sample)
+    one, two, three = (_records(tmp_path / d) for d in ("one", "two", "three"))
+    assert one == two
+    assert [r["messages"] for r in one.values()] != [r["messages"] for r in three.values()]
+
+
 def test_damaged_line_inside_the_output_is_an_error(tmp_path):
     path = tmp_path / "conversations.jsonl"
     path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
@@ -153,6 +163,13 @@ def test_openai_backend_against_real_serve_equals_hf(prompts, chat_target, backe
     assert {k: r["regen"]["completion_tokens"] for k, r in via_server.items()} == \
            {k: r["regen"]["completion_tokens"] for k, r in direct.items()}
     assert served["completed"] == 5  # one request per answer
+    # round-robin over a dead URL and a live one: each failed attempt moves to the next URL
+    with serve.build_server(config, engine=backend) as server:
+        regen.run(regen.Config(data=(prompts,), output=str(tmp_path / "rr"), backend="openai", api_key="k",
+                               servers=("http://127.0.0.1:9", server.url), max_new_tokens=6, concurrency=1,
+                               retries=1, backoff=0.01, limit=2))
+    assert {k: r["messages"] for k, r in _records(tmp_path / "rr").items()} == \
+           {k: direct[k]["messages"] for k in ("a", "b")}
     saved = (tmp_path / "api" / "config.yaml").read_text()
     assert "api_key: <redacted>" in saved and "api_key: k\n" not in saved
 
