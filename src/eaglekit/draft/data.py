@@ -101,14 +101,16 @@ class OfflineSource:
                  t2d: torch.Tensor, max_length: int):
         self.dataset, self.max_length = dataset, max_length
         self.lm_head_weight, self.t2d = lm_head_weight, t2d
-        self.tokens = tokens  # shard_tokens(dataset)
+        ids = dataset.ids
+        self.order = sorted(range(len(ids)), key=lambda i: ids[i])  # records by id, as OnlineSource: same split
+        self.tokens = [tokens[i] for i in self.order]
         self.lengths = [min(len(ids), max_length) for ids, _ in self.tokens]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def batch(self, indices: list[int], device: torch.device, dtype: torch.dtype) -> Batch:
-        records = [self.dataset[i] for i in indices]
+        records = [self.dataset[self.order[i]] for i in indices]
         t = max(min(len(r["input_ids"]), self.max_length) for r in records)
         cut = [{k: r[k][: self.max_length] for k in ("input_ids", "loss_mask", "aux", "final")} for r in records]
         aux = pad_stack([r["aux"] for r in cut], t).to(device, dtype)  # (B, T, 3H)
@@ -123,6 +125,7 @@ class OnlineSource:
     """Tokenised records; the frozen target computes aux states and soft labels per batch, on device."""
 
     def __init__(self, records: list[dict[str, Any]], target: Any, capture: Any, t2d: torch.Tensor, max_length: int):
+        records = sorted(records, key=lambda r: r["id"])  # by id: the split and batches do not depend on file order
         self.records, self.target, self.capture, self.t2d = records, target, capture, t2d
         self.max_length = max_length
         self.lengths = [min(len(r["input_ids"]), max_length) for r in records]

@@ -108,7 +108,7 @@ class Position:
 
 class Trainer:
     def __init__(self, config: Any, d: Dist, drafter: Eagle3Drafter, source: Any, identity: dict[str, Any],
-                 step_callback: Callable[[int], None] | None = None):
+                 step_callback: Callable[[int, Any], None] | None = None):
         self.config, self.d, self.drafter, self.source, self.identity = config, d, drafter, source, identity
         self.step_callback = step_callback
         self.output = Path(config.output)
@@ -192,12 +192,14 @@ class Trainer:
     def _step(self, group: list[list[int]]) -> dict[str, Any]:
         sums = sum(self._micro(b, 1.0 / len(group), i == len(group) - 1) for i, b in enumerate(group))
         metrics = summarize(all_reduce(sums, self.d), self.config.step_decay)
-        if not math.isfinite(metrics["loss"]):
-            good = ckpt.latest_checkpoint(self.checkpoints)
-            raise EaglekitError(f"the loss became {metrics['loss']} at step {self.position.step + 1}; stopped without applying it. "
-                                f"Last good checkpoint: {good or 'none yet'}. Lower lr, check the data, then resume=true")
-        if self.config.grad_clip > 0:
-            metrics["grad_norm"] = float(nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip))
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        metrics["grad_norm"] = float(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        for name in ("loss", "grad_norm"):  # checked before the update: weights and checkpoints stay good
+            if not math.isfinite(metrics[name]):
+                good = ckpt.latest_checkpoint(self.checkpoints)
+                raise EaglekitError(f"the {name.replace('_', ' ')} became {metrics[name]} at step {self.position.step + 1}; stopped "
+                                    f"without applying it. Last good checkpoint: {good or 'none yet'}. Lower lr or check the data, "
+                                    "then resume=true")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -217,16 +219,18 @@ class Trainer:
                 metrics["batch_tokens"] = sum(self.source.lengths[i] for b in group for i in b)
                 pos.batch, pos.step = pos.batch + len(group), pos.step + 1
                 self._log_train(metrics, started, bar)
-                if self.step_callback is not None:
-                    self.step_callback(pos.step)
                 if c.val_every and pos.step % c.val_every == 0:
                     last_val = self.validate(bar)
                 if c.save_every and pos.step % c.save_every == 0:
                     self.save()
+                if self.step_callback is not None:
+                    self.step_callback(pos.step, self)  # tests: kill or corrupt a run after a finished step
             if pos.batch >= len(batches):
                 pos.epoch, pos.batch = pos.epoch + 1, 0
                 last_val = self.validate(bar) or last_val
                 self.save()
+        if last_val.get("step") != pos.step:
+            last_val = self.validate(bar) or last_val
         bar.close()
         return last_val
 
@@ -313,7 +317,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def train(config: Any, step_callback: Callable[[int], None] | None = None) -> dict[str, Any]:
+def train(config: Any, step_callback: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
     """Run a training stage to completion (see the module docstring)."""
     from eaglekit.draft.setup import finish, setup
 

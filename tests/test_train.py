@@ -1,0 +1,150 @@
+"""Training stage on a tiny random chat target: outputs, exact resume, offline == online, init_from and
+vocabulary remapping, and every bad input the stage must refuse clearly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglekit.config import load_config
+from eaglekit.draft.build import with_vocab
+from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+from eaglekit.draft.vocab import VocabMapping, load_vocab, mapping_from_drafter, save_vocab
+from eaglekit.errors import EaglekitError
+from eaglekit.stages import train as stage
+
+WORDS = "the quick brown fox jumps over the lazy dog hello world what is two plus".split()
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("train_data") / "chat.jsonl"
+    with open(path, "w") as handle:
+        for i in range(20):
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
+            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+            handle.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": question},
+                                                                 {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def options(chat_target, data_file, out, **extra):
+    base = {"target": chat_target, "data": [str(data_file)], "output": str(out), "batch_size": 4, "epochs": 1,
+            "ttt_steps": 3, "draft_vocab_size": 64, "val_fraction": 0.2, "lr": 1e-3, "warmup_steps": 1}
+    return load_config(stage.Config, overrides={**base, **extra})
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_online_training_writes_a_loadable_drafter(chat_target, data_file, tmp_path):
+    result = stage.run(options(chat_target, data_file, tmp_path / "run"))
+    out = tmp_path / "run"
+    for name in ("config.json", "model.safetensors", "vocab.safetensors", "config.yaml", "manifest.json", "metrics.jsonl"):
+        assert (out / name).is_file(), name
+    assert result["train_records"] == 16 and result["val_records"] == 4 and result["steps"] == 4
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stage"] == "train" and manifest["mode"] == "online" and manifest["aux_layer_ids"] == [2, 2, 1]
+    val = [m for m in metrics(out) if m["split"] == "val"][-1]
+    running, tau = 1.0, 1.0
+    for acc in val["acc_k"]:
+        running *= acc
+        tau += running
+    assert len(val["acc_k"]) == 3 and val["tau"] == pytest.approx(tau)
+    drafter = Eagle3Drafter.from_pretrained(out)
+    from eaglekit.target.loading import load_target
+
+    target = load_target(chat_target)
+    assert torch.equal(drafter.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(mapping_from_drafter(drafter).used_ids, load_vocab(out).used_ids)
+    assert drafter.config.num_key_value_heads == 2 and drafter.config.intermediate_size == 64
+    with pytest.raises(EaglekitError, match="resume=true"):
+        stage.run(options(chat_target, data_file, out))
+
+
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(chat_target, data_file, tmp_path):
+    from eaglekit.draft.train import train
+
+    common = {"epochs": 2, "save_every": 2, "grad_accum": 2, "batch_size": 2, "log_every": 1}
+    train(options(chat_target, data_file, tmp_path / "a", **common))
+
+    def crash(step: int, trainer) -> None:
+        if step == 3:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(options(chat_target, data_file, tmp_path / "b", **common), step_callback=crash)
+    assert json.loads((tmp_path / "b/checkpoints/latest.json").read_text())["step"] == 2
+    train(options(chat_target, data_file, tmp_path / "b", resume=True, **common))
+    a, b = load_file(str(tmp_path / "a/model.safetensors")), load_file(str(tmp_path / "b/model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    steps = [m["step"] for m in metrics(tmp_path / "b") if m["split"] == "train"]
+    assert steps == [1, 2, 3, 3, 4, 5, 6, 7, 8]  # the resumed run restarted after step 2, not from scratch
+
+
+def test_offline_shards_give_the_same_loss_as_online(chat_target, data_file, tmp_path):
+    from eaglekit.stages import extract
+
+    store = tmp_path / "store"
+    extract.run(load_config(extract.Config, overrides={"data": [str(data_file)], "output": str(store), "target": chat_target,
+                                                         "dtype": "fp32", "max_length": 256}))
+    stage.run(options(chat_target, data_file, tmp_path / "on", max_steps=2))
+    stage.run(options(chat_target, data_file, tmp_path / "off", max_steps=2, data=[], shards=str(store)))
+    online, offline = metrics(tmp_path / "on"), metrics(tmp_path / "off")
+    assert [m["split"] for m in offline] == [m["split"] for m in online]
+    for a, b in zip(online, offline):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["acc_k"] == pytest.approx(b["acc_k"])
+    # shards from layers other than the drafter's are refused
+    with pytest.raises(EaglekitError, match="aux_layer_ids"):
+        stage.run(options(chat_target, data_file, tmp_path / "bad", data=[], shards=str(store), aux_layers=[1, 2, 3]))
+
+
+def test_init_from_keeps_mapping_and_remaps_on_request(chat_target, data_file, tmp_path):
+    stage.run(options(chat_target, data_file, tmp_path / "first", max_steps=1))
+    first = Eagle3Drafter.from_pretrained(tmp_path / "first")
+    used = mapping_from_drafter(first).used_ids
+    unused = torch.tensor([i for i in range(first.config.vocab_size) if i not in set(used.tolist())])
+    other = VocabMapping(torch.sort(torch.cat([used[:40], unused[:24]])).values, first.config.vocab_size)
+    save_vocab(tmp_path / "other.safetensors", other)
+    with pytest.raises(EaglekitError, match="rebuild_vocab=true"):
+        stage.run(options(chat_target, data_file, tmp_path / "x", init_from=str(tmp_path / "first"), vocab=str(tmp_path / "other.safetensors")))
+    kept = stage.run(options(chat_target, data_file, tmp_path / "kept", max_steps=1, init_from=str(tmp_path / "first"), draft_vocab_size=32))
+    assert torch.equal(mapping_from_drafter(Eagle3Drafter.from_pretrained(tmp_path / "kept")).used_ids, used)
+    assert kept["steps"] == 1
+    remapped, carried = with_vocab(first, other, seed=0)
+    assert carried == 40
+    for draft_id, target_id in enumerate(other.used_ids.tolist()):
+        if target_id in used.tolist():
+            old_row = first.lm_head.weight[used.tolist().index(target_id)]
+            assert torch.equal(remapped.lm_head.weight[draft_id], old_row)
+    assert torch.equal(remapped.fc.weight, first.fc.weight) and torch.equal(remapped.d2t, other.d2t)
+
+
+def test_bad_inputs_are_refused(chat_target, data_file, tmp_path):
+    with pytest.raises(EaglekitError, match="fewer than one batch"):
+        stage.run(options(chat_target, data_file, tmp_path / "small", batch_size=64))
+    with pytest.raises(EaglekitError, match="exactly one data source"):
+        stage.run(options(chat_target, data_file, tmp_path / "none", data=[]))
+    foreign = Eagle3Drafter(DrafterConfig(16, 32, 2, 2, 301, 8, 16, (2, 2, 1)))
+    foreign.save_pretrained(tmp_path / "foreign")
+    with pytest.raises(EaglekitError, match="hidden size 16"):
+        stage.run(options(chat_target, data_file, tmp_path / "f", init_from=str(tmp_path / "foreign")))
+    from eaglekit.draft.train import train
+
+    def diverge(step: int, trainer) -> None:  # weights blow up after step 1 has been checkpointed
+        if step == 1:
+            with torch.no_grad():
+                trainer.drafter.fc.weight.fill_(float("nan"))
+
+    with pytest.raises(EaglekitError, match=r"loss became nan at step 2.*step-00000001"):
+        train(options(chat_target, data_file, tmp_path / "nan", save_every=1), step_callback=diverge)
+    good = load_file(str(tmp_path / "nan/checkpoints/step-00000001/model.safetensors"))
+    assert all(bool(torch.isfinite(t).all()) for t in good.values() if t.is_floating_point())
