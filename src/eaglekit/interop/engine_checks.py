@@ -117,7 +117,10 @@ def check_vllm(index: ModuleIndex, source: EngineSource, target: Target, registr
     report["decoder"] = decoder_facts(index, inner or cls) if (inner or not wrapper) else None
     getter = report["interface"]["getter"]
     holder = cls if report["interface"]["implements"] or inner is None else inner
-    report["default_aux_layers"] = default_layers(index, holder, getter, target.num_layers) if getter else None
+    layers = default_layers(index, holder, getter, target.num_layers) if getter else None
+    if layers is None and getter and inner is not None:  # a delegating wrapper: the inner model's getter decides
+        layers = default_layers(index, inner, getter, target.num_layers)
+    report["default_aux_layers"] = layers
     _vllm_verdict(report, cls, inner)
     return report
 
@@ -143,7 +146,8 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
         inner_name = wrapper["inner"]["class"] if wrapper["inner"] else "the inner language model"
         reasons.insert(0, f"{cls.name} ({cls.where}) holds {inner_name} as self.language_model but does not implement "
                           f"{interface['interface']}, so vLLM refuses EAGLE-3 for it "
-                          f"(inner model {'implements' if inner_ok else 'does not implement'} it)")
+                          + ("(inner model: unknown)" if wrapper["inner"] is None
+                             else f"(inner model {'implements' if inner_ok else 'does not implement'} it)"))
         fix.insert(0, f"in {cls.relative}, add {interface['interface']} to the bases of {cls.name} and implement {methods} "
                       f"delegating to self.language_model")
         if inner_ok and collects:

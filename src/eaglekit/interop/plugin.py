@@ -91,7 +91,7 @@ packages = ["{package}"]
 
 
 def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()).strip("_")
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def write_vllm_plugin(report: dict[str, Any], output: str | Path) -> Path:
@@ -122,6 +122,9 @@ def write_vllm_plugin(report: dict[str, Any], output: str | Path) -> Path:
 
 # --- reading registrations -------------------------------------------------------------------
 def _registrations_in(module: str, tree: ast.Module, function: str, plugin: str, where: str) -> list[dict[str, Any]]:
+    """`register_model("Arch", "module:Class" | Class)` calls in the entry-point function (module constants resolved)."""
+    constants = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) for t in node.targets if isinstance(t, ast.Name)}
     found = []
     for node in tree.body:
         if not (isinstance(node, ast.FunctionDef) and node.name == function):
@@ -129,7 +132,7 @@ def _registrations_in(module: str, tree: ast.Module, function: str, plugin: str,
         for call in ast.walk(node):
             if not (isinstance(call, ast.Call) and ast.unparse(call.func).endswith("register_model") and len(call.args) >= 2):
                 continue
-            arch, target = call.args[0], call.args[1]
+            arch, target = (constants.get(a.id, a) if isinstance(a, ast.Name) else a for a in call.args[:2])
             if not (isinstance(arch, ast.Constant) and isinstance(arch.value, str)):
                 continue
             if isinstance(target, ast.Constant) and isinstance(target.value, str) and ":" in target.value:

@@ -1,0 +1,74 @@
+"""Diagnose a target: can vLLM/SGLang run EAGLE-3 for it (read from the engine's source), or what eaglekit sees in it.
+
+    eaglekit doctor --engine vllm --target path/to/model            # or config.json, or LlamaForCausalLM
+    eaglekit doctor --engine sglang --target config.json --engine_source sglang-0.5.23-...whl --json
+    eaglekit doctor --engine vllm --target config.json --fix fix_output=plugins/   # write a delegation plugin
+    eaglekit doctor --engine vllm --target config.json --plugins plugins/          # re-check with that plugin
+    eaglekit doctor --target tiny                                                  # eaglekit's target report
+
+With `--engine`, the engine is never imported: its source is read from the installed package, a
+source checkout or a wheel (`engine_source`), and the verdict (supported / not supported / unknown)
+names the file, class and methods to change, and the aux layers the engine uses by default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from eaglekit.config import option
+from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
+
+POSITIONAL = ("target",)
+
+
+@dataclass(frozen=True)
+class Config:
+    target: str = option("", "config.json, model directory or architecture name (without --engine: a model eaglekit loads)")
+    engine: str = option("", "serving engine whose source to check (empty: eaglekit's own target report)",
+                         choices=("", "vllm", "sglang"))
+    engine_source: str = option("", "engine source: installed package dir, source checkout or .whl (default: installed)")
+    plugins: tuple[str, ...] = option((), "vLLM plugin project directories to honour (installed plugins are read too)")
+    installed_plugins: bool = option(True, "also read vllm.general_plugins entry points installed in this environment")
+    fix: bool = option(False, "vLLM: write an out-of-tree plugin that adds EAGLE-3 delegation to a wrapper class")
+    fix_output: str = option("eaglekit-plugins", "directory the --fix plugin package is written under")
+    json: bool = option(False, "print the report as JSON")
+    trust_remote_code: bool = option(False, "target report: allow the target's own modelling code")
+
+
+def _target_report(config: Config) -> dict[str, Any]:
+    try:
+        from eaglekit.target.inspection import format_target_report, target_report
+    except ImportError as error:  # written by the capture part; not there in every checkout
+        raise EaglekitError(f"the target report is not available in this install ({error}); use --engine vllm|sglang") from None
+    report = target_report(config.target, trust_remote_code=config.trust_remote_code)
+    print(json.dumps(report, indent=2, default=str) if config.json else format_target_report(report))
+    return report
+
+
+def run(config: Config) -> dict[str, Any]:
+    if not config.target:
+        raise EaglekitError("no target given: eaglekit doctor --target <config.json | model dir | architecture> [--engine vllm|sglang]")
+    if not config.engine:
+        if config.fix:
+            raise EaglekitError("--fix needs --engine vllm")
+        return _target_report(config)
+    from eaglekit.interop.engine_doctor import diagnose, format_report
+
+    report = diagnose(config.engine, config.target, config.engine_source, config.plugins, config.installed_plugins)
+    if config.fix:
+        from eaglekit.interop.plugin import write_vllm_plugin
+
+        path = write_vllm_plugin(report, config.fix_output)
+        report["plugin_written"] = str(path)
+        log.info("wrote plugin %s", path)
+    print(json.dumps(report, indent=2, default=str) if config.json else format_report(report))
+    if config.fix:
+        print(f"\nplugin written to {report['plugin_written']}: `pip install {report['plugin_written']}` in vLLM's "
+              f"environment, then check with: eaglekit doctor --engine vllm --target {config.target} "
+              f"--plugins {config.fix_output}")
+    return report
