@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decode_models import OracleDrafter, random_drafter, tiny_target
-from eaglekit.decode import generate
+from eaglekit.decode import Decoder, generate
 from eaglekit.errors import EaglekitError
 
 PROMPT = [5, 17, 33, 2, 9, 41]
@@ -75,6 +75,11 @@ def test_static_fast_path_equals_eager(kind):
     oracle = OracleDrafter(PROMPT + reference, target.config.num_hidden_layers)
     fast = generate(target, oracle, PROMPT, NEW, backend="static", method="tree", depth=3, tree_top_k=3, total_tokens=8)
     assert fast.tokens == reference  # every step compacts accepted KV entries inside the static cache
+    decoder = Decoder(target, drafter, backend="static", max_length=128)  # caches reused across calls
+    first = decoder.generate(PROMPT, NEW, method="tree", depth=3, tree_top_k=3, total_tokens=8)
+    again = decoder.generate(PROMPT[:3], NEW, method="tree", depth=3, tree_top_k=3, total_tokens=8)
+    assert first.tokens == reference
+    assert again.tokens == generate(target, drafter, PROMPT[:3], NEW, method="tree", depth=3, tree_top_k=3, total_tokens=8).tokens
 
 
 def test_static_fast_path_sampling_equals_eager():

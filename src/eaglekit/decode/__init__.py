@@ -21,6 +21,70 @@ def drafter_aux_layers(drafter: torch.nn.Module) -> tuple[int, ...]:
     return to_input_convention(tuple(config.aux_layer_ids), config.aux_layer_convention)
 
 
+class Decoder:
+    """Holds a target, an optional drafter and their backends, so that repeated `generate` calls reuse
+    the static caches and compiled steps (a compiled step is built once per shape, not per call)."""
+
+    def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module | None = None, backend: str = "eager",
+                 compile: bool = False, max_length: int = 2048):
+        if backend not in BACKENDS:
+            raise EaglekitError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
+        self.target, self.drafter, self.backend, self.compile, self.max_length = target, drafter, backend, compile, max_length
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
+        self._targets: dict = {}
+        self._drafters: dict = {}
+
+    def _target_backend(self, aux_layers):
+        if self.backend == "eager":
+            from eaglekit.decode.backends import HFTarget
+
+            return HFTarget(self.target, aux_layers)
+        from eaglekit.decode.static import StaticTarget
+
+        if aux_layers not in self._targets:
+            self._targets[aux_layers] = StaticTarget(self.target, self.max_length, aux_layers, compile=self.compile)
+        backend = self._targets[aux_layers]
+        backend.reset()
+        return backend
+
+    def _drafter_backend(self, opts: DecodeOptions):
+        from eaglekit.decode.backends import EagerDrafter
+
+        if self.backend == "eager" or not hasattr(self.drafter, "midlayer"):  # stand-ins (tests) use the reference
+            return EagerDrafter(self.drafter)
+        from eaglekit.decode.static import StaticDrafter
+
+        slots = opts.chain_length if opts.method == "chain" else opts.depth * opts.tree_top_k
+        if slots not in self._drafters:
+            self._drafters[slots] = StaticDrafter(self.drafter, self.max_length, slots, compile=self.compile)
+        backend = self._drafters[slots]
+        backend.reset()
+        return backend
+
+    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, method: str = "tree", **options) -> GenerateResult:
+        """Decode `max_new_tokens` after `prompt_ids` (batch 1); `options` are `DecodeOptions` fields."""
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.reshape(-1).tolist()
+        if not prompt_ids:
+            raise EaglekitError("the prompt is empty; give at least one token")
+        if max_new_tokens < 1:
+            raise EaglekitError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(options.get("eos_token_ids"), int):
+            options["eos_token_ids"] = (options["eos_token_ids"],)
+        opts = DecodeOptions(method=method, **options)
+        if method != "plain" and self.drafter is None:
+            raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
+        width = 1 + (opts.chain_length if method == "chain" else opts.total_tokens)
+        if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
+            raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + draft nodes ({width}) "
+                                f"exceed the static cache ({self.max_length} slots); raise max_length")
+        aux_layers = None if method == "plain" else drafter_aux_layers(self.drafter)
+        target_backend = self._target_backend(aux_layers)
+        drafter_backend = None if method == "plain" else self._drafter_backend(opts)
+        with torch.inference_mode():
+            return decode_loop(target_backend, drafter_backend, self.drafter, prompt_ids, max_new_tokens, opts, self.vocab_size)
+
+
 def generate(
     target: torch.nn.Module,
     drafter: torch.nn.Module | None,
@@ -32,48 +96,16 @@ def generate(
     max_length: int | None = None,
     **options,
 ) -> GenerateResult:
-    """Decode `max_new_tokens` after `prompt_ids` (batch 1). `options` are `DecodeOptions` fields
-    (temperature, top_k, top_p, depth, tree_top_k, total_tokens, chain_length, eos_token_ids, seed).
+    """One-off decode (see `Decoder.generate`). `options`: temperature, top_k, top_p, depth, tree_top_k,
+    total_tokens, chain_length, eos_token_ids, seed.
 
     backend="eager" works for any HF causal LM; backend="static" is the fast path for Llama-family
     dense targets (preallocated KV caches; `compile=True` adds torch.compile + CUDA graphs).
     """
-    if isinstance(prompt_ids, torch.Tensor):
-        prompt_ids = prompt_ids.reshape(-1).tolist()
-    if not prompt_ids:
-        raise EaglekitError("the prompt is empty; give at least one token")
-    if max_new_tokens < 1:
-        raise EaglekitError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if "eos_token_ids" in options and isinstance(options["eos_token_ids"], int):
-        options["eos_token_ids"] = (options["eos_token_ids"],)
-    opts = DecodeOptions(method=method, **options)
-    if method != "plain" and drafter is None:
-        raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
-    aux_layers = None if method == "plain" else drafter_aux_layers(drafter)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    if backend == "eager":
-        from eaglekit.decode.backends import EagerDrafter, HFTarget
-
-        target_backend = HFTarget(target, aux_layers)
-        drafter_backend = None if drafter is None or method == "plain" else EagerDrafter(drafter)
-    elif backend == "static":
-        from eaglekit.decode.static import StaticDrafter, StaticTarget
-
-        width = 1 + (opts.chain_length if method == "chain" else opts.total_tokens)
-        capacity = max_length or (len(prompt_ids) + max_new_tokens + width + 1)
-        target_backend = StaticTarget(target, capacity, aux_layers, compile=compile)
-        drafter_backend = None
-        if drafter is not None and method != "plain" and not hasattr(drafter, "midlayer"):
-            from eaglekit.decode.backends import EagerDrafter  # a drafter stand-in (tests): reference backend
-
-            drafter_backend = EagerDrafter(drafter)
-        elif drafter is not None and method != "plain":
-            slots = opts.chain_length if method == "chain" else opts.depth * opts.tree_top_k
-            drafter_backend = StaticDrafter(drafter, capacity, slots, compile=compile)
-    else:
-        raise EaglekitError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
-    with torch.inference_mode():
-        return decode_loop(target_backend, drafter_backend, drafter, prompt_ids, max_new_tokens, opts, vocab_size)
+    n = prompt_ids.numel() if isinstance(prompt_ids, torch.Tensor) else len(prompt_ids)
+    width = 2 + max(options.get("chain_length", 4), options.get("total_tokens", 48))
+    decoder = Decoder(target, drafter, backend, compile, max_length or n + max_new_tokens + width)
+    return decoder.generate(prompt_ids, max_new_tokens, method, **options)
 
 
-__all__ = ["generate", "DecodeOptions", "DecodeStats", "GenerateResult", "METHODS", "BACKENDS", "drafter_aux_layers"]
+__all__ = ["Decoder", "generate", "DecodeOptions", "DecodeStats", "GenerateResult", "METHODS", "BACKENDS", "drafter_aux_layers"]

@@ -32,6 +32,7 @@ from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampling
 from eaglekit.errors import EaglekitError
 
 METHODS = ("tree", "chain", "plain")
+SYNC_EVERY = 16  # plain decoding: steps between host checks for EOS
 
 
 @dataclass(frozen=True)
@@ -184,12 +185,16 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     m = n
     if not done and options.method == "plain":
         one = torch.ones(1, 1, dtype=torch.bool, device=device)
+        pending: list[torch.Tensor] = []  # tokens still on the device: the host checks EOS every SYNC_EVERY steps
         while not done:
             logits, _ = target_backend.forward(token.reshape(1), torch.full((1,), m, device=device), one)
             token = choose(logits[-1], options.temperature, options.top_k, options.top_p, generator)
             stats.target_forwards += 1
             m += 1
-            done = out.add([int(token)])
+            pending.append(token)
+            if len(pending) == SYNC_EVERY or len(out.tokens) + len(pending) >= max_new_tokens:
+                done = out.add(torch.stack(pending).tolist())  # tokens after an EOS are dropped here
+                pending = []
     elif not done:
         hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
                                                       torch.arange(n, device=device))

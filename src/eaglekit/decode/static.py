@@ -143,6 +143,10 @@ class StaticTarget:
         self.compile = compile
         self.step = _compiled(self.net, compile)
 
+    def reset(self) -> None:
+        """Forget the cached sequence (the buffers are reused; stale slots are masked out)."""
+        self.length = self.last_length = 0
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         t = ids.shape[0]
         if self.length + t > self.capacity:
@@ -225,6 +229,9 @@ class StaticDrafter:
         self.stable_length = 0
         self.compile = compile
         self.step = _compiled(self.net, compile)
+
+    def reset(self) -> None:
+        self.stable_length = 0
 
     def _mask(self, rows: int) -> torch.Tensor:
         mask = torch.zeros(rows, self.total, dtype=torch.bool, device=self.device)

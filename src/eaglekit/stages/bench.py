@@ -76,9 +76,13 @@ def _sync(device) -> None:
 class _Runner:
     """Runs one method on one prompt -> (new tokens, seconds, accepted-per-step or None)."""
 
-    def __init__(self, config: Config, target, drafter, assistant, tokenizer, eos, backend, device):
+    def __init__(self, config: Config, target, drafter, assistant, tokenizer, eos, backend, device, max_prompt: int):
         self.config, self.target, self.drafter, self.assistant = config, target, drafter, assistant
-        self.tokenizer, self.eos, self.backend, self.device = tokenizer, eos, backend, device
+        self.tokenizer, self.eos, self.device = tokenizer, eos, device
+        from eaglekit.decode import Decoder
+
+        longest = max_prompt + config.max_new_tokens + max(config.total_tokens, config.chain_length) + 2
+        self.decoder = Decoder(target, drafter, backend, config.compile, max_length=longest)
 
     def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, list[int] | None]:
         import torch
@@ -98,11 +102,8 @@ class _Runner:
             out = self.target.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
             _sync(self.device)
             return out.shape[1] - len(ids), time.perf_counter() - start, None
-        from eaglekit.decode import generate
-
         c = self.config
-        result = generate(self.target, self.drafter, ids, c.max_new_tokens, method=method, backend=self.backend,
-                          compile=c.compile, temperature=temperature, depth=c.depth, tree_top_k=c.tree_top_k,
+        result = self.decoder.generate(ids, c.max_new_tokens, method=method, temperature=temperature, depth=c.depth, tree_top_k=c.tree_top_k,
                           total_tokens=c.total_tokens, chain_length=c.chain_length, eos_token_ids=self.eos, seed=c.seed)
         _sync(self.device)
         return len(result.tokens), time.perf_counter() - start, (result.stats.accepted if method != "plain" else None)
@@ -200,7 +201,8 @@ def run(config: Config) -> dict[str, Any]:
     assistant = load_target(config.assistant, device, dtype, config.trust_remote_code) if "hf_assisted" in methods else None
     prompts = [prompt_ids(tokenizer, _prompt_messages(c)) for c in conversations]
     backend = resolve_backend(config.backend, target)
-    runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device)
+    runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device,
+                     max(len(p) for p in prompts))
     rows = [_measure(runner, m, t, prompts, config) for t in config.temperatures for m in methods]
     for row in rows:
         log.info("%s", row)

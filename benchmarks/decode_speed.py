@@ -1,0 +1,135 @@
+"""Plain batch-1 decoding speed: eaglekit's static fast path vs HF `generate` vs the bandwidth bound.
+
+    python benchmarks/decode_speed.py --output runs/decode_speed.json          # GPU, 8B-shaped Llama, bf16
+    python benchmarks/decode_speed.py --smoke --output /tmp/decode_speed.json  # CPU, tiny shapes
+
+The model is an 8B-shaped Llama with random weights (built on the meta device, materialised on the
+GPU). The bound is model bytes / measured copy bandwidth (read + write bytes per second of a large
+device-to-device copy, measured in the same run). Also measured: the cost of one verify forward over
+1..64 new tokens (static path), which is what makes tree verification cheap. Timings exclude warm-up
+(and compilation) and are medians of repeats. Goals: fast path >= 3x HF generate, >= 60% of the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eaglekit.decode import Decoder  # noqa: E402
+from eaglekit.decode.static import StaticTarget  # noqa: E402
+from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
+
+SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
+SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `repeats` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build_model(shape: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Random-weight Llama: meta init, then materialised on `device` (no CPU copy of 16 GB)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # non-persistent buffers
+    return model.eval().requires_grad_(False)
+
+
+def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
+    """Bytes per second (read + write) of a device-to-device copy."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), device, repeats)
+    return 2 * src.numel() / seconds
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (proves the script runs)")
+    parser.add_argument("--output", default="runs/decode_speed.json")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="static path without torch.compile")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    new_tokens = 16 if args.smoke else args.new_tokens
+    compile_ = device.type == "cuda" and not args.no_compile
+    model = build_model(SHAPE_SMOKE if args.smoke else SHAPE_8B, device, dtype)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device, 64 if args.smoke else 2048, args.repeats)
+    prompt = list(range(1, 33))
+
+    hf_prompt = torch.tensor([prompt], device=device)
+    hf_seconds = _timed(lambda: model.generate(hf_prompt, attention_mask=torch.ones_like(hf_prompt), max_new_tokens=new_tokens,
+                                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), device, args.repeats)
+    decoder = Decoder(model, None, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
+    fast_seconds = _timed(lambda: decoder.generate(prompt, new_tokens, method="plain"), device, args.repeats)
+    prefill = decoder.generate(prompt, new_tokens, method="plain").stats.prefill_seconds
+
+    verify = {}
+    target = StaticTarget(model, 256, None, compile=False)
+    for n in (1, 2, 4, 8, 16, 32, 48, 64):
+        ids = torch.randint(0, model.config.vocab_size, (n,), device=device)
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+        def step() -> None:
+            target.reset()
+            target.forward(ids[:1], torch.zeros(1, dtype=torch.long, device=device), mask[:1, :1])
+            target.forward(ids, torch.arange(1, n + 1, device=device), mask)
+        verify[n] = 1000 * _timed(step, device, args.repeats)
+    one = verify[1]
+    bound = bandwidth / model_bytes
+    fast_tps = new_tokens / fast_seconds
+    hf_tps = new_tokens / hf_seconds
+    result = {
+        "device": str(device), "dtype": str(dtype), "shape": SHAPE_SMOKE if args.smoke else SHAPE_8B, "smoke": args.smoke,
+        "model_bytes": model_bytes, "copy_bandwidth_bytes_per_s": bandwidth, "bound_tokens_per_s": bound,
+        "new_tokens": new_tokens, "compile": compile_,
+        "hf_generate_tokens_per_s": hf_tps, "eaglekit_plain_tokens_per_s": fast_tps,
+        "eaglekit_prefill_seconds": prefill,
+        "speedup_vs_hf": fast_tps / hf_tps, "fraction_of_bound": fast_tps / bound,
+        "goals": {"speedup_vs_hf>=3": fast_tps / hf_tps >= 3, "fraction_of_bound>=0.6": fast_tps / bound >= 0.6},
+        "verify_ms_by_tokens_eager_static": verify,
+        "verify_cost_relative_to_1_token": {n: ms / one for n, ms in verify.items()},
+        "environment": environment(),
+    }
+    atomic_write_json(args.output, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
