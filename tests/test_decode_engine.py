@@ -53,7 +53,7 @@ def test_eos_mid_draft_and_length_limit(case):
     expected = hf_greedy(target, NEW, eos=eos)
     assert expected[-1] == eos and len(expected) <= 10
     oracle = OracleDrafter(PROMPT + reference, target.config.num_hidden_layers)
-    for method in ("chain", "tree"):
+    for method in ("plain", "chain", "tree"):
         result = generate(target, oracle, PROMPT, NEW, method=method, chain_length=3, depth=3, tree_top_k=2,
                           total_tokens=6, eos_token_ids=(eos,))
         assert result.tokens == expected and result.finish_reason == "eos", (name, method)
