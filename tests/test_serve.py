@@ -206,3 +206,32 @@ def test_cli_serve_subprocess(chat_target):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+class EndlessEngine(GatedEngine):
+    """Streams one token every few milliseconds until the server cancels it (bounded)."""
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, seed=None, on_tokens=None):
+        for step in range(2000):
+            on_tokens([65 + step % 26])  # raises GenerationCancelled once the client is gone
+            time.sleep(0.005)
+        return EngineOutput([65] * 2000, "length")
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_client_leaving_a_stream_cancels_the_generation():
+    with ChatServer(EndlessEngine(), "fake", port=0) as server:
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", server.url + "/v1/chat/completions",
+                               json={"messages": MESSAGES, "stream": True}) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")  # role chunk
+                assert json.loads(next(l for l in lines if l.startswith("data: "))[6:])["choices"][0]["delta"]["content"]
+        deadline = time.time() + 10
+        while server.metrics_snapshot()["cancelled"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        metrics = server.metrics_snapshot()
+        assert metrics["cancelled"] == 1 and metrics["completed"] == 0
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200

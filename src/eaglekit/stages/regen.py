@@ -241,7 +241,10 @@ def _regen_hf(config: Config, todo: list[Pending], progress: _Progress, backend:
                     progress.fail(pending, result)
                     continue
                 pending.fill(result)
-                (still.append(pending) if pending.next_prompt() is not None else progress.finish(pending))
+                if pending.next_prompt() is None:
+                    progress.finish(pending)
+                else:
+                    still.append(pending)  # another turn to answer in the next round
             active = still
 
 
