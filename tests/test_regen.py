@@ -12,7 +12,7 @@ import pytest
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import regen, serve
 from eaglekit.stages.regen import _Progress, plan_turns, scan_finished
-from eaglekit.target.backends import HFBackend, SamplingParams
+from eaglekit.target.backends import HFBackend, OpenAIBackend, SamplingParams
 
 RECORDS = [
     {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
@@ -158,6 +158,12 @@ def test_openai_backend_against_real_serve_equals_hf(prompts, chat_target, backe
         regen.run(regen.Config(data=(prompts,), output=str(tmp_path / "api"), backend="openai", servers=(server.url,),
                                api_key="k", max_new_tokens=6, concurrency=3))
         served = server.metrics_snapshot()
+        client = OpenAIBackend([server.url + "/v1"], api_key="k", concurrency=2)
+        batch = [[{"role": "user", "content": "what is two plus two"}], [{"role": "user", "content": "jumps over"}]]
+        via_client = client.generate_batch(batch, SamplingParams(0.0, 1.0, 6))
+        client.close()
+    assert [(g.text, g.completion_tokens) for g in via_client] == \
+           [(g.text, g.completion_tokens) for g in backend.generate_batch(batch, SamplingParams(0.0, 1.0, 6))]
     via_server, direct = _records(tmp_path / "api"), _records(tmp_path / "hf")
     assert {k: r["messages"] for k, r in via_server.items()} == {k: r["messages"] for k, r in direct.items()}
     assert {k: r["regen"]["completion_tokens"] for k, r in via_server.items()} == \
