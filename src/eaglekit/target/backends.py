@@ -112,6 +112,7 @@ class HFBackend:
             raise EaglekitError(f"the tokenizer of {name} has no chat template; use an instruct/chat model "
                                 "or add chat_template to its tokenizer_config.json")
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to call from several threads
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
@@ -130,11 +131,13 @@ class HFBackend:
 
     def encode_chat(self, messages: Messages) -> list[int]:
         """Token ids of `messages` under the chat template, ending with the assistant prompt."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self._tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
                      on_tokens: Callable[[list[int]], None] | None = None) -> list[EngineOutput]:
