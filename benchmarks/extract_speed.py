@@ -149,6 +149,55 @@ def bench_target(name: str, model: torch.nn.Module, device: torch.device, args) 
     return rows
 
 
+def storage_error(device: torch.device, limit: int, shard_dir: str | None) -> dict | None:
+    """Extract the tiny target's prompts in fp32, bf16 and float8; report how far the stored states and
+    the target's soft labels (softmax of lm_head(final)) move from fp32."""
+    from eaglekit.config import load_config
+    from eaglekit.stages import extract
+    from eaglekit.target.loading import load_target, tiny_target_path
+    from eaglekit.target.store import HiddenStateDataset
+
+    prompts = tiny_target_path().parent / "tiny_prompts.jsonl"
+    if not (tiny_target_path() / "config.json").is_file() or not prompts.is_file():
+        return None
+    root = Path(tempfile.mkdtemp(prefix="extract-quant-", dir=shard_dir))
+    try:
+        stores = {}
+        for dtype in ("fp32", "bf16", "float8_e4m3fn"):
+            options = {"data": [str(prompts)], "output": str(root / dtype), "target": "tiny", "dtype": dtype,
+                       "model_dtype": "fp32", "device": str(device), "limit": limit, "max_length": 1024}
+            stores[dtype] = HiddenStateDataset(extract.run(load_config(extract.Config, overrides=options)).output)
+        head = load_target("tiny", device=device).get_output_embeddings()
+        reference = {stores["fp32"][i]["id"]: stores["fp32"][i] for i in range(len(stores["fp32"]))}
+        out = {"records": len(reference), "tokens": stores["fp32"].manifest["num_tokens"]}
+        for dtype in ("bf16", "float8_e4m3fn"):
+            out[dtype] = _errors(stores[dtype], reference, head, device)
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _errors(store, reference: dict, head: torch.nn.Module, device: torch.device) -> dict:
+    layer_err, final_err, kl, agree, count = [0.0, 0.0, 0.0], 0.0, 0.0, 0, 0
+    hidden = store.manifest["hidden_size"]
+    with torch.inference_mode():
+        for i in range(len(store)):
+            got, ref = store[i], reference[store[i]["id"]]
+            for g in range(3):
+                part = slice(g * hidden, (g + 1) * hidden)
+                layer_err[g] += ((got["aux"][:, part].float() - ref["aux"][:, part]).norm() / ref["aux"][:, part].norm()).item()
+            final_err += ((got["final"].float() - ref["final"]).norm() / ref["final"].norm()).item()
+            p_ref = torch.log_softmax(head(ref["final"].to(device)).float(), -1)  # (T, V)
+            p_got = torch.log_softmax(head(got["final"].float().to(device)).float(), -1)
+            kl += torch.nn.functional.kl_div(p_got, p_ref, log_target=True, reduction="sum").item()
+            agree += (p_ref.argmax(-1) == p_got.argmax(-1)).sum().item()
+            count += len(p_ref)
+    n = len(store)
+    return {"bytes": store.manifest["bytes"], "aux_relative_error_per_layer": [round(e / n, 5) for e in layer_err],
+            "final_relative_error": round(final_err / n, 5), "soft_label_kl_per_token": float(f"{kl / count:.3g}"),
+            "target_argmax_agreement": round(agree / count, 5)}
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| target | storage | B x T | bare tok/s | extract tok/s | ratio | bytes/token | 10k x 2k tokens |",
              "|---|---|---|---|---|---|---|---|"]
@@ -171,6 +220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--buffers", type=int, default=3)
     parser.add_argument("--shard-dir", default=None, help="where shards are written (default: the system temp dir)")
     parser.add_argument("--no-tiny", action="store_true", help="skip the built-in tiny target")
+    parser.add_argument("--no-quant", action="store_true", help="skip the bf16/float8 storage-error measurement")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract_speed[_smoke].json)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -193,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     if tiny is not None:
         tiny_args = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size * 8 if not args.smoke else 2})
         rows += bench_target("tiny (built-in)", tiny, device, tiny_args)
-    result = {"benchmark": "extract_speed", "goal": f"extract >= {GOAL:.0%} of bare forward tokens/s",
+    quant = None if args.no_quant else storage_error(device, 16 if args.smoke else 200, args.shard_dir)
+    result = {"benchmark": "extract_speed", "storage_error_vs_fp32": quant, "goal": f"extract >= {GOAL:.0%} of bare forward tokens/s",
               "config": {k: v for k, v in vars(args).items()}, "device": str(device), "environment": environment(),
               "tiny_target": "measured" if tiny is not None else "absent from this checkout (src/eaglekit/assets/tiny_target)",
               "results": rows, "goal_met": all(r["ratio"] >= GOAL for r in rows) if device.type == "cuda" else None}
@@ -202,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(rows))
     print(markdown(rows))
+    if quant:
+        print("storage error vs fp32 (tiny target):", json.dumps(quant))
     print(f"wrote {out}")
     return result
 

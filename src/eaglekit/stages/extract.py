@@ -231,10 +231,13 @@ def _device(config: Config, world: int) -> torch.device:
 # ---- the loop ------------------------------------------------------------------------------------
 
 def batch_states(capture: HiddenStateCapture, index: torch.Tensor, layout: StoreLayout) -> dict[str, torch.Tensor]:
-    """Captured (B, T, .) states -> padding-stripped (N, .) rows in the storage dtype, on the target's device."""
-    aux, final = capture.aux(), capture.final()  # (B, T, 3H), (B, T, H)
-    aux = aux.reshape(-1, aux.shape[-1]).index_select(0, index.to(aux.device, non_blocking=True))  # (N, 3H)
-    final = final.reshape(-1, final.shape[-1]).index_select(0, index.to(final.device, non_blocking=True))  # (N, H)
+    """Captured (B, T, .) states -> padding-stripped (N, .) rows in the storage dtype, all on the device of
+    the first aux state (one device even when device_map spreads the layers)."""
+    aux = capture.aux()  # (B, T, 3H)
+    final = capture.final().to(aux.device)  # (B, T, H)
+    index = index.to(aux.device, non_blocking=True)
+    aux = aux.reshape(-1, aux.shape[-1]).index_select(0, index)  # (N, 3H)
+    final = final.reshape(-1, final.shape[-1]).index_select(0, index)  # (N, H)
     if layout.quantized:
         aux_q, aux_scale = quantize_rows(aux, layout.num_aux)
         final_q, final_scale = quantize_rows(final, 1)

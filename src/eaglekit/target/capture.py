@@ -268,7 +268,9 @@ class HiddenStateCapture:
                 f"hooks for aux layers {missing} did not fire on {type(self.model).__name__} (decoder at {self.stack.path}); "
                 "the class that ran is not the one whose layers were hooked"
             )
-        return torch.cat([self.states[i] for i in self.aux_layers], dim=-1)
+        first = self.states[self.aux_layers[0]]
+        # with device_map="auto" the layers (and their states) may sit on different GPUs
+        return torch.cat([self.states[i].to(first.device) for i in self.aux_layers], dim=-1)
 
     def final(self) -> torch.Tensor:
         """(B, T, H): the final-norm output that the lm_head reads."""

@@ -93,6 +93,7 @@ class ShardWriter:
                        for name, (width, dtype) in layout.widths().items()}
             self._free.put(_Buffer(tensors))
         self._current: _Buffer | None = None
+        self._device = torch.device("cpu")
         # several threads: hashing and writing of different shards overlap (both release the GIL)
         self._threads = [threading.Thread(target=self._loop, name=f"eaglekit-shard-writer-r{rank}-{i}", daemon=True)
                          for i in range(max(1, min(num_threads, num_buffers)))]
@@ -137,6 +138,7 @@ class ShardWriter:
         if self._current is None:
             self._current = self._acquire()
         buffer = self._current
+        self._device = next(iter(states.values())).device
         for name, tensor in states.items():
             buffer.tensors[name][buffer.used:buffer.used + rows].copy_(tensor, non_blocking=True)
         buffer.used += rows
@@ -152,9 +154,9 @@ class ShardWriter:
                 self._free.put(buffer)
             return
         event = None
-        if torch.cuda.is_available() and any(t.is_pinned() for t in buffer.tensors.values()):
+        if self._device.type == "cuda":  # marks the end of this buffer's async copies on the states' stream
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))
         self._full.put((buffer, event, self.index))
         self.index += 1
 
