@@ -195,3 +195,14 @@ def test_layer_id_conventions_and_bounds():
         default_aux_layers(3)
     with pytest.raises(EaglekitError, match="not a ModuleList"):
         find_decoder(model, "model.nothing")
+
+
+def test_target_report_on_a_saved_wrapper(tmp_path):
+    from eaglekit.target.inspection import format_target_report, target_report
+
+    build("llava").save_pretrained(tmp_path)
+    report = target_report(str(tmp_path))
+    assert report["class"] == "LlavaForConditionalGeneration" and report["decoder_path"] == "model.language_model.layers"
+    assert report["layer_class"] == "LlamaDecoderLayer" and report["num_layers"] == LAYERS
+    assert report["verification"]["ok"] and report["verification"]["compared"] == ["aux2", "final"]
+    assert "decoder path:     model.language_model.layers" in format_target_report(report)

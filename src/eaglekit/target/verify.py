@@ -88,7 +88,7 @@ def check_shapes(capture: HiddenStateCapture, batch: int, seq: int, hidden: int 
 
 def _compare(capture: HiddenStateCapture, hidden_states: tuple[torch.Tensor, ...], result: VerificationResult) -> None:
     num_layers = capture.stack.num_layers
-    pairs = [(f"aux{i}", capture.states[i], hidden_states[i]) for i in capture.aux_layers if i < num_layers]
+    pairs = [(f"aux{i}", capture.states[i], hidden_states[i]) for i in sorted(set(capture.aux_layers)) if i < num_layers]
     if capture.capture_final:
         pairs.append(("final", capture.final_state, hidden_states[-1]))
     for key, captured, reference in pairs:
