@@ -88,7 +88,9 @@ def vllm_registry(index: ModuleIndex) -> dict[str, tuple[str, str]] | None:
                 continue
             parts = [e.value for e in item.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
             if len(parts) == 2 == len(item.elts):
-                entries[key.value] = (f"{VLLM_MODELS}.{parts[0]}", parts[1])
+                # newer registries may name fully qualified modules (`vllm.models.deepseek_v4`)
+                module = parts[0] if parts[0].startswith("vllm.") else f"{VLLM_MODELS}.{parts[0]}"
+                entries[key.value] = (module, parts[1])
     return entries or None
 
 
@@ -197,9 +199,29 @@ def decoder_facts(index: ModuleIndex, cls: ClassInfo) -> dict[str, Any]:
     forward = index.find_method(decoder, "forward")
     if forward is None:
         return {"class": decoder.name, "where": decoder.where, "how": how, "collects_aux": None, "evidence": "no forward found"}
-    hits = mentions(forward[1], AUX_NEEDLES)
+    hits = _forward_mentions(index, decoder, forward)
     return {"class": decoder.name, "where": decoder.where, "how": how, "collects_aux": bool(hits),
             "forward": f"{forward[0].relative}:{forward[1].lineno}", "evidence": hits}
+
+
+def _forward_mentions(index: ModuleIndex, decoder: ClassInfo, forward: tuple[ClassInfo, ast.FunctionDef]) -> list[str]:
+    """Aux-state names in forward, following `super().forward(...)` and `self.<helper>(...)` calls one level each."""
+    owner, node = forward
+    hits = mentions(node, AUX_NEEDLES)
+    for call in ast.walk(node):
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+            continue
+        target = call.func.value
+        if isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "super":
+            mro = [e for e in index.mro(owner)[1:] if isinstance(e, ClassInfo)]
+            parent = next(((e, e.methods()[call.func.attr]) for e in mro if call.func.attr in e.methods()), None)
+        elif isinstance(target, ast.Name) and target.id == "self" and call.func.attr != "forward":
+            parent = index.find_method(decoder, call.func.attr)
+        else:
+            parent = None
+        if parent is not None:
+            hits += mentions(parent[1], AUX_NEEDLES)
+    return sorted(set(hits))
 
 
 def forward_passthrough(index: ModuleIndex, wrapper: ClassInfo) -> bool | None:

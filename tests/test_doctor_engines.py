@@ -1,0 +1,220 @@
+"""`eaglekit doctor --engine`: answers read from synthetic vLLM/SGLang source trees (tests/fixtures/engines)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from eaglekit.cli import main
+from eaglekit.errors import EaglekitError
+from eaglekit.interop.engine_doctor import diagnose, format_report
+from eaglekit.interop.plugin import write_vllm_plugin
+
+FIXTURES = Path(__file__).parent / "fixtures" / "engines"
+VLLM_TREE = FIXTURES / "vllm_tree"
+SGLANG_TREE = FIXTURES / "sglang_tree"
+
+
+def target_config(tmp_path: Path, architecture: str, model_type: str = "toy", layers: int = 8,
+                  text_architecture: str | None = None) -> str:
+    text = {"model_type": model_type, "num_hidden_layers": layers}
+    if text_architecture:
+        text["architectures"] = [text_architecture]
+    path = tmp_path / f"{architecture}.json"
+    path.write_text(json.dumps({"architectures": [architecture], "model_type": f"{model_type}_vl", "text_config": text}))
+    return str(path)
+
+
+def vllm(target: str, source: Path = VLLM_TREE, plugins: tuple[str, ...] = ()) -> dict:
+    return diagnose("vllm", target, str(source), plugins, installed_plugins=False)
+
+
+def test_vllm_supported_class_reports_registry_methods_and_layers(tmp_path):
+    report = vllm(target_config(tmp_path, "ToyForCausalLM"))
+    assert report["verdict"] == "supported"
+    assert report["registry"]["module"] == "vllm.model_executor.models.toy"
+    assert report["class"] == {"module": "vllm.model_executor.models.toy", "class": "ToyForCausalLM",
+                               "file": "vllm/model_executor/models/toy.py", "line": 35}
+    methods = report["interface"]["methods"]
+    assert methods["set_aux_hidden_state_layers"]["where"] == "vllm/model_executor/models/toy.py:43"
+    assert report["interface"]["getter"] == "get_eagle3_aux_hidden_state_layers"
+    assert report["allow_list"]["passes"] is True and report["allow_list"]["model_types"] == ["llama", "toy"]
+    assert report["decoder"]["class"] == "ToyModel" and report["decoder"]["collects_aux"] is True
+    assert report["default_aux_layers"]["input_of_layer_ids"] == [2, 4, 5]
+    assert report["engine_version"] == "0.0.1.synthetic"
+
+
+def test_vllm_subclass_inherits_support_across_modules(tmp_path):
+    child = vllm(target_config(tmp_path, "ToyChildForCausalLM"))
+    assert child["verdict"] == "supported"
+    assert {m["class"] for m in child["interface"]["methods"].values()} == {"ToyForCausalLM"}
+    factory = vllm(target_config(tmp_path, "FactoryForCausalLM"))
+    assert factory["verdict"] == "supported"
+    assert factory["decoder"]["class"] == "FactoryModel"  # `self.model_cls(...)` with model_cls a class attribute
+
+
+def test_vllm_wrapper_that_does_not_delegate_then_plugin_fixes_it(tmp_path):
+    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
+    report = vllm(config)
+    assert report["verdict"] == "not supported"
+    assert report["wrapper"]["inner"]["class"] == "ToyForCausalLM"
+    assert report["wrapper"]["inner_interface"]["implements"] is True
+    assert report["plugin_fix_possible"] is True
+    assert "vllm/model_executor/models/toy_vl.py" in report["fix"][0] and "ToyVLForConditionalGeneration" in report["fix"][0]
+
+    plugin = write_vllm_plugin(report, tmp_path / "plugins")
+    project = tomllib.loads((plugin / "pyproject.toml").read_text())
+    entry = project["project"]["entry-points"]["vllm.general_plugins"]
+    assert list(entry.values()) == ["eaglekit_eagle3_toyvlforconditionalgeneration:register"]
+    for path in plugin.rglob("*.py"):
+        compile(path.read_text(), str(path), "exec")
+    model_source = (plugin / "eaglekit_eagle3_toyvlforconditionalgeneration" / "model.py").read_text()
+    assert "from vllm.model_executor.models.toy_vl import ToyVLForConditionalGeneration as _Wrapper" in model_source
+
+    fixed = vllm(config, plugins=(str(tmp_path / "plugins"),))
+    assert fixed["verdict"] == "supported", format_report(fixed)
+    assert fixed["registry"]["registered_by"] == "eaglekit_eagle3_toyvlforconditionalgeneration"
+    assert fixed["class"]["class"] == "Eagle3ToyVLForConditionalGeneration"
+    assert fixed["default_aux_layers"]["input_of_layer_ids"] == [2, 4, 5]
+
+
+def test_vllm_delegating_wrapper_and_runtime_inner_class(tmp_path):
+    assert vllm(target_config(tmp_path, "ToyVLDelegatingForConditionalGeneration"))["verdict"] == "supported"
+    runtime = vllm(target_config(tmp_path, "RuntimeVLForConditionalGeneration", text_architecture="ToyForCausalLM"))
+    assert runtime["wrapper"]["inner"]["class"] == "ToyForCausalLM"
+    assert "text_config" in runtime["wrapper"]["inner_how"]
+    unknown_inner = vllm(target_config(tmp_path, "RuntimeVLForConditionalGeneration"))
+    assert unknown_inner["wrapper"]["inner"] is None and unknown_inner["plugin_fix_possible"] is False
+
+
+def test_vllm_plain_model_needs_a_model_change_not_a_plugin(tmp_path):
+    report = vllm(target_config(tmp_path, "PlainVLForConditionalGeneration"))
+    assert report["verdict"] == "not supported" and report["plugin_fix_possible"] is False
+    assert any("PlainModel.forward" in f and "no plugin" in f for f in report["fix"])
+    with pytest.raises(EaglekitError, match="cannot fix"):
+        write_vllm_plugin(report, tmp_path / "plugins")
+
+
+def test_vllm_allow_list_rejects_model_type(tmp_path):
+    report = vllm(target_config(tmp_path, "ToyForCausalLM", model_type="mistral"))
+    assert report["verdict"] == "not supported"
+    assert "vllm/config/speculative.py:5" in report["reasons"][-1] or any("speculative.py:5" in r for r in report["reasons"])
+    by_name = vllm("ToyForCausalLM")  # no config: the model type cannot be checked
+    assert by_name["verdict"] == "unknown" and by_name["allow_list"]["passes"] is None
+
+
+def _new_style_tree(tmp_path: Path) -> Path:
+    """vLLM after 2026-03: protocol default methods, the new getter name, no allow-list."""
+    tree = tmp_path / "vllm_new"
+    shutil.copytree(VLLM_TREE, tree)
+    (tree / "vllm/config/speculative.py").write_text("class SpeculativeConfig:\n    method = 'eagle3'\n")
+    interfaces = tree / "vllm/model_executor/models/interfaces.py"
+    text = interfaces.read_text().replace(
+        '''        """Set which layers should output auxiliary hidden states."""
+        ...''',
+        '''        getattr(self, "language_model", self).model.aux_hidden_state_layers = layers''')
+    interfaces.write_text(text.replace(
+        '''    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """Get the layer indices that should output auxiliary hidden states."""
+        ...''',
+        '''    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        holder = getattr(getattr(self, "language_model", self), "model")
+        num_layers = len(holder.layers)
+        return (2, num_layers // 2, num_layers - 3)'''))
+    toy_vl = tree / "vllm/model_executor/models/toy_vl.py"
+    toy_vl.write_text(toy_vl.read_text() + '''
+
+class NewVLForConditionalGeneration(ToyVLForConditionalGeneration, SupportsEagle3):
+    """Inherits the protocol's default methods, which reach self.language_model."""
+''')
+    registry = tree / "vllm/model_executor/models/registry.py"
+    registry.write_text(registry.read_text().replace(
+        '_MULTIMODAL_MODELS = {', '_MULTIMODAL_MODELS = {\n    "NewVLForConditionalGeneration": ("toy_vl", "NewVLForConditionalGeneration"),'))
+    return tree
+
+
+def test_vllm_new_style_protocol_defaults(tmp_path):
+    tree = _new_style_tree(tmp_path)
+    report = vllm(target_config(tmp_path, "NewVLForConditionalGeneration", model_type="anything"), source=tree)
+    assert report["verdict"] == "supported", format_report(report)
+    assert report["interface"]["getter"] == "get_eagle3_default_aux_hidden_state_layers"
+    assert report["interface"]["methods"]["get_eagle3_default_aux_hidden_state_layers"]["status"] == "protocol default"
+    assert report["allow_list"] is None
+    assert report["default_aux_layers"]["input_of_layer_ids"] == [2, 4, 5]
+
+
+def test_wheel_and_directory_sources_agree(tmp_path):
+    wheel = tmp_path / "vllm-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path in VLLM_TREE.rglob("*.py"):
+            archive.write(path, path.relative_to(VLLM_TREE).as_posix())
+    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
+    from_wheel, from_tree = vllm(config, source=wheel), vllm(config)
+    assert from_wheel["engine_version"] == "0.0.1"
+    for key in ("verdict", "registry", "class", "interface", "wrapper", "decoder", "default_aux_layers", "fix"):
+        assert from_wheel[key] == from_tree[key]
+    site_packages_style = vllm(config, source=VLLM_TREE / "vllm")  # the package directory itself
+    assert site_packages_style["verdict"] == from_tree["verdict"]
+
+
+def test_bad_inputs(tmp_path):
+    no_arch = tmp_path / "config.json"
+    no_arch.write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(EaglekitError, match="no 'architectures'"):
+        vllm(str(no_arch))
+    with pytest.raises(EaglekitError, match="closest names: ToyForCausalLM"):
+        vllm("ToyForCausalLMM")
+    with pytest.raises(EaglekitError, match="neither a directory nor a .whl"):
+        vllm("ToyForCausalLM", source=tmp_path / "missing")
+    bare = tmp_path / "bare"
+    (bare / "vllm").mkdir(parents=True)
+    (bare / "vllm" / "__init__.py").write_text("")
+    report = vllm("ToyForCausalLM", source=bare)
+    assert report["verdict"] == "unknown" and "registry.py" in report["reasons"][0]
+    with pytest.raises(EaglekitError, match="unknown engine"):
+        diagnose("tgi", "ToyForCausalLM", str(VLLM_TREE))
+
+
+def test_sglang_entry_classes_wrappers_and_default_ids(tmp_path):
+    def sglang(arch: str) -> dict:
+        return diagnose("sglang", target_config(tmp_path, arch, "llama", 8), str(SGLANG_TREE))
+
+    llama = sglang("LlamaForCausalLM")
+    assert llama["verdict"] == "supported" and llama["engine_version"] == "0.0.2.synthetic"
+    assert llama["registry"]["file"] == "sglang/srt/models/llama.py"
+    assert llama["default_aux_layers"]["input_of_layer_ids"] == [2, 4, 5]
+    assert llama["default_aux_layers"]["engine_explicit_ids"] == [1, 3, 4]  # SGLang's explicit ids: output of layer
+    assert sglang("Phi3ForCausalLM")["verdict"] == "supported"
+    child = sglang("ChildForCausalLM")
+    assert child["verdict"] == "supported"
+    assert child["interface"]["methods"]["set_eagle3_layers_to_capture"]["class"] == "LlamaForCausalLM"
+    wrapper = sglang("ToyVLForConditionalGeneration")
+    assert wrapper["verdict"] == "not supported"
+    assert wrapper["wrapper"]["inner"]["class"] == "LlamaForCausalLM"
+    assert "set_eagle3_layers_to_capture" in wrapper["fix"][0] and "sglang/srt/models/toy_vl.py" in wrapper["fix"][0]
+    assert sglang("ChildVLForConditionalGeneration")["verdict"] == "supported"
+    with pytest.raises(EaglekitError, match="SGLang's registry has no architecture 'ToyVLDelegating'"):
+        sglang("ToyVLDelegating")  # defined, but in no EntryClass
+
+
+def test_cli_json_and_fix(tmp_path, capsys):
+    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
+    code = main(["doctor", "--engine", "vllm", "--target", config, "--engine_source", str(VLLM_TREE), "--json",
+                 "installed_plugins=false"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["verdict"] == "not supported"
+    out = tmp_path / "plugins"
+    assert main(["doctor", "--engine", "vllm", "--target", config, "--engine_source", str(VLLM_TREE), "--fix",
+                 "--fix_output", str(out), "installed_plugins=false"]) == 0
+    capsys.readouterr()
+    assert main(["doctor", "--engine", "vllm", "--target", config, "--engine_source", str(VLLM_TREE),
+                 "--plugins", str(out), "installed_plugins=false"]) == 0
+    assert "verdict: SUPPORTED" in capsys.readouterr().out
+    assert main(["doctor", "--target", config, "--fix"]) == 1  # --fix needs --engine
+    assert ast.parse((next(out.rglob("model.py"))).read_text())
