@@ -118,6 +118,11 @@ def attend(
 ) -> torch.Tensor:
     """Scaled dot-product attention; a `BlockMask` selects flex attention (compiled on CUDA)."""
     if mask is None or isinstance(mask, torch.Tensor):
+        if enable_gqa and mask is not None and q.device.type == "cuda":
+            # the masked (memory-efficient) CUDA kernel may lack GQA, and the math fallback materialises
+            # every score: expand the key/value heads instead
+            group = q.shape[1] // keys.shape[1]
+            keys, values, enable_gqa = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), False
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=enable_gqa)
     from torch.nn.attention.flex_attention import flex_attention
 
