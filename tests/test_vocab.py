@@ -81,3 +81,26 @@ def test_vocab_stage_from_shards_and_keeping_a_drafter_mapping(tmp_path, monkeyp
     assert load_vocab(tmp_path / "r").used_ids.tolist() == [3, 5] and rebuilt["mapping"] == "built from counts"
     assert (tmp_path / "r" / "manifest.json").is_file()
     assert isinstance(VocabMapping(torch.tensor([0]), 1).coverage(), float)
+
+
+def test_vocab_stage_from_conversations_counts_assistant_tokens(chat_target, tmp_path):
+    import json
+
+    from eaglekit.data import read_conversations, tokenize_conversation
+    from eaglekit.stages import vocab as stage
+    from eaglekit.target.loading import load_tokenizer
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "what is two plus two"},
+                                                                      {"role": "assistant", "content": "the quick fox " * (i + 1)}]})
+                                for i in range(3)) + "\n")
+    result = stage.run(stage.Config(data=(str(data),), target=chat_target, output=str(tmp_path / "v"), size=5))
+    tokenizer = load_tokenizer(chat_target)
+    expected = torch.zeros(len(tokenizer), dtype=torch.long)
+    for conversation in read_conversations([data]):
+        record = tokenize_conversation(tokenizer, conversation, 2048)
+        for token, learn in zip(record.input_ids, record.loss_mask):
+            expected[token] += learn
+    mapping = load_vocab(tmp_path / "v")
+    assert torch.equal(mapping.counts, expected) and result["tokens_counted"] == int(expected.sum())
+    assert mapping.used_ids.tolist() == sorted(torch.argsort(-expected, stable=True)[:5].tolist())

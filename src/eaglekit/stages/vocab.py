@@ -35,7 +35,7 @@ class Config:
     output: str = option("", "output directory for vocab.safetensors")
     size: int = option(DEFAULT_SIZE, "draft vocabulary size N (the whole target vocabulary if smaller)")
     max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training)")
-    chat_template: str = option("", "chat template file overriding the tokenizer's")
+    chat_template: str = option("", "chat template (Jinja text or .jinja file) overriding the tokenizer's")
     init_from: str = option("", "an existing eaglekit drafter: its mapping is kept (fine-tuning)")
     rebuild: bool = option(False, "with init_from: build a new mapping anyway (train then remaps lm_head rows)")
     trust_remote_code: bool = option(False, "allow the target's custom code")
@@ -47,9 +47,8 @@ def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]
     from eaglekit.target.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
-    template = Path(config.chat_template).read_text() if config.chat_template else None
     for conversation in tqdm(read_conversations(list(config.data)), desc="vocab: counting", unit="conv"):
-        record = tokenize_conversation(tokenizer, conversation, config.max_length, chat_template=template)
+        record = tokenize_conversation(tokenizer, conversation, config.max_length, chat_template=config.chat_template or None)
         yield record.input_ids, record.loss_mask
 
 
