@@ -60,6 +60,7 @@ class Config:
     shard_mb: float = option(1024.0, "approximate size of one shard file in MiB")
     buffers: int = option(3, "host shard buffers in the writer ring (memory = buffers x shard_mb)")
     writer_threads: int = option(2, "threads hashing and writing shards in parallel")
+    fsync: bool = option(True, "fsync each shard before logging it (off: faster on slow disks; a power loss may cost the last shards)")
     chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
     decoder_path: str = option("", "dotted path of the decoder layer list, when the search picks the wrong one")
     limit: int = option(0, "extract only the first N records (0 = all)")
@@ -306,7 +307,7 @@ def run(config: Config) -> ExtractResult:
     start = max((e["index"] + 1 for e in read_shard_log(out, rank)), default=0)
     writer = ShardWriter(out, layout, capacity, rank=rank, start_index=start, num_buffers=config.buffers,
                          pin_memory=_input_device(model).type == "cuda",
-                         metadata={"target": config.target, "dtype": config.dtype}, num_threads=config.writer_threads)
+                         metadata={"target": config.target, "dtype": config.dtype}, num_threads=config.writer_threads, fsync=config.fsync)
     begin = time.perf_counter()
     try:
         with HiddenStateCapture(model, aux_ids, decoder_path=stack.path) as capture:

@@ -57,16 +57,19 @@ class _Buffer:
         self.ids, self.input_ids, self.loss_mask, self.lengths = [], [], [], []
 
 
-def write_bytes_atomically(directory: Path, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+def write_bytes_atomically(directory: Path, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                           fsync: bool = True) -> tuple[int, str]:
     """Write a shard under a temp name, fsync, rename into place; returns (bytes, sha256). On any error
-    the temp file is removed and nothing named `name` is created."""
+    the temp file is removed and nothing named `name` is created. Without fsync a process crash is still
+    safe (rename is atomic); a power loss may leave a logged shard whose checksum then fails on read."""
     final, tmp = directory / name, directory / f".{name}.tmp"
     try:
         with open(tmp, "wb") as raw:
             hashing = _HashingFile(raw)
             size = write_safetensors(hashing, tensors, metadata)
             raw.flush()
-            os.fsync(raw.fileno())
+            if fsync:
+                os.fsync(raw.fileno())
         os.replace(tmp, final)
     finally:
         if tmp.exists():
@@ -79,9 +82,9 @@ class ShardWriter:
 
     def __init__(self, directory: str | Path, layout: StoreLayout, capacity_tokens: int, rank: int = 0,
                  start_index: int = 0, num_buffers: int = 2, pin_memory: bool = False, metadata: dict[str, str] | None = None,
-                 num_threads: int = 2):
+                 num_threads: int = 2, fsync: bool = True):
         self.directory, self.layout, self.rank = Path(directory), layout, rank
-        self.capacity, self.index = capacity_tokens, start_index
+        self.capacity, self.index, self.fsync = capacity_tokens, start_index, fsync
         self.metadata = metadata or {}
         self.entries: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -200,7 +203,7 @@ class ShardWriter:
                    "loss_mask": torch.cat(buffer.loss_mask).to(torch.uint8), "offsets": offsets}
         tensors.update({name: t[:n] for name, t in buffer.tensors.items()})
         name = shard_name(self.rank, index)
-        size, digest = write_bytes_atomically(self.directory, name, tensors, {"format": "eaglekit", **self.metadata})
+        size, digest = write_bytes_atomically(self.directory, name, tensors, {"format": "eaglekit", **self.metadata}, self.fsync)
         entry = {"file": name, "rank": self.rank, "index": index, "records": list(buffer.ids), "num_tokens": n,
                  "bytes": size, "sha256": digest}
         fsync_append(self.directory / log_name(self.rank), json.dumps(entry))
