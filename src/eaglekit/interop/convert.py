@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
+from eaglekit.draft.model import INPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError
 from eaglekit.interop import formats
 from eaglekit.manifest import atomic_path, atomic_write_json
-from eaglekit.target.capture import default_aux_layers
+from eaglekit.target.capture import default_aux_layers, to_input_convention
 
 log = logging.getLogger(__name__)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -58,8 +58,6 @@ def compare_drafters(reference: Eagle3Drafter, candidate: Eagle3Drafter, what: s
 
 
 def to_input(config: DrafterConfig) -> tuple[int, ...]:
-    from eaglekit.target.capture import to_input_convention
-
     return tuple(to_input_convention(config.aux_layer_ids, config.aux_layer_convention))
 
 
@@ -161,6 +159,7 @@ def drafter_config_from(data: dict[str, Any], layout: str, from_format: str = "a
     llama = data["transformer_layer_config"] if layout == "speculators" else data
     _check_supported(llama, data)
     ids, convention = _aux_ids(data, layout, from_format, target_num_layers)
+    ids, convention = to_input_convention(ids, convention), INPUT_OF_LAYER  # eaglekit keeps input-of-layer ids
     marker = data.get(formats.MARKER) or {}
     verifier = (data.get("speculators_config") or {}).get("verifier") or {}
     hidden = int(llama["hidden_size"])
@@ -214,6 +213,8 @@ def _build(config: DrafterConfig, state: dict[str, torch.Tensor], source: Path) 
         if tuple(tensor.shape) != tuple(expected[key].shape):
             raise EaglekitError(f"{source}: tensor {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}")
     dtype = state["fc.weight"].dtype
+    if "embed_tokens.weight" not in state:  # the engine shares the target's: zero = "not loaded" (see from_pretrained)
+        state = {**state, "embed_tokens.weight": torch.zeros_like(expected["embed_tokens.weight"])}
     drafter.load_state_dict(state, strict=False)
     if "d2t" in state and "t2d" not in state:  # rebuild the mask from the offsets
         drafter.set_vocab_mapping(state["d2t"] + torch.arange(config.draft_vocab_size))
