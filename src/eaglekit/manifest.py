@@ -57,8 +57,10 @@ def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return os.environ.get("EAGLEKIT_COMMIT")  # set by whoever copies a checkout without .git (e.g. to a GPU box)
 
 
 def environment() -> dict[str, Any]:
