@@ -52,6 +52,10 @@ FAMILIES = {
                                            vision_config=tf.PixtralVisionConfig(**VISION, head_dim=8).to_dict(),
                                            image_token_index=127),
                  tf.Mistral3ForConditionalGeneration, "model.language_model.layers"),
+    "gemma3_vl": (lambda: tf.Gemma3Config(text_config=dict(COMMON, head_dim=8, sliding_window=4),
+                                          vision_config=dict(VISION, image_size=16, patch_size=8), mm_tokens_per_image=4,
+                                          image_token_index=127, boi_token_index=126, eoi_token_index=125),
+                  tf.Gemma3ForConditionalGeneration, "model.language_model.layers"),
     "qwen2_vl": (lambda: tf.Qwen2VLConfig(
         text_config=dict(**COMMON, model_type="qwen2_vl_text", rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
                          bos_token_id=0, eos_token_id=1),
