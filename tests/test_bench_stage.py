@@ -52,7 +52,7 @@ def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
     out = tmp_path / "bench"
     config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"drafter={drafter_dir}",
                                                   f"output={out}", "methods=plain,hf,hf_assisted,hf_prompt_lookup,chain,tree",
-                                                  "temperatures=0.0,1.0", "max_new_tokens=6", "repeats=2", "warmup=1",
+                                                  "temperatures=0.0,1.0", "max_new_tokens=5", "repeats=1", "warmup=1",
                                                   "device=cpu", "depth=3", "tree_top_k=3", "total_tokens=8"])
     result = bench.run(config)
     methods = [(r["method"], r["temperature"]) for r in result["rows"]]

@@ -63,13 +63,13 @@ class StaticLlama(nn.Module):
         cos, sin = _rotary_tables(_find_rotary(model), capacity, param.dtype, param.device)
         self.register_buffer("cos", cos, persistent=False)  # (capacity, D)
         self.register_buffer("sin", sin, persistent=False)
-        shape = (1, self.num_kv_heads, capacity, self.head_dim)
-        for i in range(len(self.layers)):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
-            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+        # one buffer for all layers' keys and values, so that compaction is two kernels, not 4 per layer
+        shape = (len(self.layers), 2, 1, self.num_kv_heads, capacity, self.head_dim)  # (L, k|v, 1, nkv, S, D)
+        self.register_buffer("kv_cache", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
 
     def caches(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+        """Views (1, nkv, S, D) of layer i's keys and values."""
+        return self.kv_cache[i, 0], self.kv_cache[i, 1]
 
     def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask) -> torch.Tensor:
         attn = layer.self_attn
@@ -124,13 +124,11 @@ def _call(fn, compiled: bool, *args):
     return tuple(None if o is None else o.clone() for o in fn(*args))
 
 
-def _compact(buffers: list[torch.Tensor], base: int, nodes: list[int]) -> None:
-    """Move cache slots base + nodes to base, base+1, ... in every (1, nkv, S, D) buffer."""
-    device = buffers[0].device
-    src = base + torch.tensor(nodes, device=device)
-    dst = base + torch.arange(len(nodes), device=device)
-    for buffer in buffers:
-        buffer.index_copy_(2, dst, buffer.index_select(2, src))
+def _compact(buffer: torch.Tensor, dim: int, base: int, nodes: list[int]) -> None:
+    """Move slots base + nodes to base, base+1, ... along `dim` of a KV buffer, in place."""
+    src = base + torch.tensor(nodes, device=buffer.device)
+    dst = base + torch.arange(len(nodes), device=buffer.device)
+    buffer.index_copy_(dim, dst, buffer.index_select(dim, src))
 
 
 class StaticTarget:
@@ -164,8 +162,7 @@ class StaticTarget:
 
     def keep(self, nodes: list[int]) -> None:
         base = self.length - self.last_length
-        buffers = [b for i in range(len(self.net.layers)) for b in self.net.caches(i)]
-        _compact(buffers, base, nodes)
+        _compact(self.net.kv_cache, 4, base, nodes)
         self.length = base + len(nodes)
         self.last_length = len(nodes)
 

@@ -78,7 +78,6 @@ def build_tree(
     new_index[keep] = torch.arange(1, keep.shape[0] + 1, device=keep.device)
     kept_parents = pool_parents[keep]
     parents = torch.where(kept_parents < 0, torch.zeros_like(kept_parents), new_index[kept_parents.clamp(min=0)])
-    assert bool((parents >= 0).all()), "node selection must be closed under ancestry"
     minus_one = torch.full((1,), -1, dtype=torch.long, device=keep.device)
     return DraftTree(
         tokens=torch.cat([root_token.reshape(1), pool_tokens[keep]]),
@@ -90,12 +89,11 @@ def build_tree(
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """(N, N) bool, [i, j] True when j is i itself or an ancestor of i. `max_depth` bounds the tree depth."""
     n = parents.shape[0]
-    rows = torch.arange(n, device=parents.device)
     ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
     current = parents.clone()
-    for _ in range(max_depth):
+    for _ in range(max_depth):  # scatter, not boolean indexing: no host synchronisation
         valid = current >= 0
-        ancestors[rows[valid], current[valid]] = True
+        ancestors |= torch.zeros_like(ancestors).scatter_(1, current.clamp(min=0)[:, None], valid[:, None])
         current = torch.where(valid, parents[current.clamp(min=0)], current)
     return ancestors
 
@@ -126,7 +124,3 @@ def extend_ancestry(ancestry: torch.Tensor, parent_slots: torch.Tensor) -> torch
     grown[e:, e:] = torch.eye(k, dtype=torch.bool, device=device)
     return grown
 
-
-def accepted_positions(path: list[int], depths: torch.Tensor) -> list[int]:
-    """Depths of the accepted path's nodes; along a root-to-leaf path these are 0, 1, 2, ..."""
-    return [int(d) for d in depths[path].tolist()]
