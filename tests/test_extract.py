@@ -274,3 +274,19 @@ def test_torchrun_two_ranks_gloo(target_dir, data_file, fp32_store, tmp_path):
     by_id = {reference[i]["id"]: reference[i] for i in range(len(reference))}
     for i in range(len(dataset)):
         torch.testing.assert_close(dataset[i]["aux"], by_id[dataset[i]["id"]]["aux"], atol=2e-5, rtol=1e-4)
+
+
+def test_reader_checks_each_shard_once_and_pickles(fp32_store, monkeypatch):
+    import pickle
+
+    from eaglekit.target import store
+
+    dataset = HiddenStateDataset(fp32_store[0])
+    hashed = []
+    monkeypatch.setattr(store, "file_sha256", lambda path: hashed.append(path) or file_sha256(path))
+    order = list(range(len(dataset))) * 2
+    random.Random(0).shuffle(order)
+    first = {i: dataset[i]["aux"] for i in order}
+    assert len(hashed) == len(dataset.manifest["shards"])  # shuffled reads do not re-hash a shard
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert all(torch.equal(copy[i]["aux"], first[i]) for i in range(len(copy)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,6 +36,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
                        torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
 RUN_FILE = "extract_run.json"
+_OPEN_SHARDS = 16  # shards a reader keeps open at once (shuffled training reads jump between shards)
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -187,24 +189,32 @@ class HiddenStateDataset:
         self.layout = StoreLayout(manifest["hidden_size"], len(manifest["aux_layer_ids"]), manifest["dtype"])
         self.verify_checksums = verify_checksums
         self._index = [(s, r) for s, shard in enumerate(manifest["shards"]) for r in range(len(shard["records"]))]
-        self._open: dict[int, tuple[Any, list[int]]] = {}
+        self._open: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()  # LRU of open (memory-mapped) shards
+        self._verified: set[int] = set()  # each shard's checksum is checked once per dataset object
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers: open handles are not picklable
+        state = dict(self.__dict__)
+        state["_open"] = OrderedDict()
+        return state
 
     @property
     def ids(self) -> list[str]:
         return [record for shard in self.manifest["shards"] for record in shard["records"]]
 
     def _shard(self, number: int) -> tuple[Any, list[int]]:
-        if number not in self._open:
+        if number in self._open:
+            self._open.move_to_end(number)
+        else:
             from safetensors import safe_open
 
             entry = self.manifest["shards"][number]
             path = self.directory / entry["file"]
             if not path.is_file():
                 raise EaglekitError(f"shard {path} is missing; re-run extract into {self.directory} to rebuild it")
-            if self.verify_checksums and file_sha256(path) != entry["sha256"]:
+            if self.verify_checksums and number not in self._verified and file_sha256(path) != entry["sha256"]:
                 raise EaglekitError(f"shard {path} is corrupt (sha256 differs from the manifest); delete it and its line in "
                                     f"{log_name(entry['rank'])}, then re-run extract to rebuild it")
             try:
@@ -212,7 +222,10 @@ class HiddenStateDataset:
                 offsets = handle.get_tensor("offsets").tolist()
             except Exception as error:  # safetensors raises its own error types for unreadable files
                 raise EaglekitError(f"shard {path} cannot be read ({error}); re-extract it") from None
-            self._open = {number: (handle, offsets)}  # keep one shard open: records are read in order
+            self._verified.add(number)
+            self._open[number] = (handle, offsets)
+            if len(self._open) > _OPEN_SHARDS:
+                self._open.popitem(last=False)
         return self._open[number]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
