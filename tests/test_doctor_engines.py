@@ -218,3 +218,10 @@ def test_cli_json_and_fix(tmp_path, capsys):
     assert "verdict: SUPPORTED" in capsys.readouterr().out
     assert main(["doctor", "--target", config, "--fix"]) == 1  # --fix needs --engine
     assert ast.parse((next(out.rglob("model.py"))).read_text())
+
+
+def test_target_report_without_engine(capsys):
+    assert main(["doctor", "--target", "tiny", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report  # the capture part's target report, printed as JSON
+    assert "LlamaForCausalLM" in json.dumps(report)

@@ -19,7 +19,6 @@ never has to guess which engine's convention the ids use.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,8 @@ from safetensors.torch import load_file
 
 from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import default_aux_layers, from_input_convention, to_input_convention
+from eaglekit.target.capture import from_input_convention, to_input_convention
 
-log = logging.getLogger(__name__)
 
 EXPORT_FORMATS = ("vllm", "sglang", "speculators")
 IMPORT_FORMATS = ("auto", "vllm", "sglang", "eagle", "speculators")
