@@ -1,0 +1,350 @@
+"""The run report: `DIR/report.md` and PNG plots, read from the outputs the stages left in a run folder.
+
+Sections: data (records, tokens, loss-masked share, draft-vocabulary coverage), training (loss and
+accuracy per TTT position from `train/metrics.jsonl`), decoding (tau, acceptance per position and
+speed-up against plain decoding from `bench/bench.json`), export (paths and the vLLM / SGLang launch
+commands for this drafter) and the doctor's verdicts. A stage that was not run, or not finished, gets a
+line saying so; nothing is estimated in its place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eaglekit.manifest import atomic_path, atomic_write_text, read_manifest
+
+log = logging.getLogger(__name__)
+
+SPECULATIVE_TOKENS = 3  # chain length in the engine commands: what vLLM and SGLang serve EAGLE-3 with by default
+TRAINING_PLOT, ACCEPTANCE_PLOT = "report-training.png", "report-acceptance.png"
+
+
+@dataclass
+class Report:
+    path: Path
+    headline: dict[str, Any] = field(default_factory=dict)
+    plots: list[Path] = field(default_factory=list)
+
+
+# ---- reading the run folder -----------------------------------------------------------------------
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        log.warning("%s is not valid JSON; left out of the report", path)
+        return None
+
+
+def read_metrics(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """train's metrics.jsonl -> {"train": [...], "val": [...]} by step; a resumed run's repeats keep the last line."""
+    by_step: dict[tuple[str, int], dict[str, Any]] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by an interruption
+        if isinstance(entry, dict) and entry.get("split") in ("train", "val") and "step" in entry:
+            by_step[(entry["split"], int(entry["step"]))] = entry
+    return {split: [by_step[k] for k in sorted(k for k in by_step if k[0] == split)] for split in ("train", "val")}
+
+
+def _extract_loss_tokens(directory: Path, manifest: dict[str, Any]) -> int | None:
+    """Loss-masked tokens in the extract store (its small loss_mask tensors only)."""
+    try:
+        from safetensors import safe_open
+
+        total = 0
+        for shard in manifest.get("shards", []):
+            with safe_open(str(directory / shard["file"]), framework="pt") as handle:
+                total += int(handle.get_tensor("loss_mask").sum())
+        return total
+    except (OSError, KeyError, RuntimeError, ValueError) as error:
+        log.warning("could not count loss-masked tokens in %s: %s", directory, error)
+        return None
+
+
+def collect(out: str | Path) -> dict[str, Any]:
+    """Everything the report shows, from the files in the run folder (None where a stage left nothing)."""
+    out = Path(out)
+    info: dict[str, Any] = {"out": out, "run": _json(out / "run.json") or {}}
+    info["regen"] = _json(out / "regen" / "stats.json") if read_manifest(out / "regen") else None
+    extract = read_manifest(out / "extract")
+    if extract:
+        extract = {**extract, "loss_tokens": _extract_loss_tokens(out / "extract", extract)}
+    info["extract"] = extract
+    info["vocab"] = read_manifest(out / "vocab")
+    info["train"] = read_manifest(out / "train")
+    info["metrics"] = read_metrics(out / "train" / "metrics.jsonl")
+    info["bench"] = _json(out / "bench" / "bench.json") if read_manifest(out / "bench") else None
+    order = (info["run"].get("config") or {}).get("export_formats") or []
+    folders = sorted((d for d in (out / "export").glob("*") if d.is_dir()), key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
+    info["exports"] = {d.name: read_manifest(d) for d in folders if read_manifest(d)}
+    info["doctor"] = {d.name: _json(d / "doctor.json") for d in sorted((out / "doctor").glob("*")) if (d / "doctor.json").is_file()}
+    return info
+
+
+# ---- numbers ------------------------------------------------------------------------------------
+
+def bench_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Bench rows with `speedup` = tokens/s over plain decoding's (else HF generate's) at the same temperature."""
+    table = []
+    for row in rows:
+        base = next((r for name in ("plain", "hf") for r in rows if r["method"] == name and r["temperature"] == row["temperature"]), None)
+        speed, base_speed = row.get("tokens_per_second"), base.get("tokens_per_second") if base else None
+        table.append({**row, "baseline": base["method"] if base else None,
+                      "speedup": speed / base_speed if speed and base_speed else None})
+    return table
+
+
+def headline(info: dict[str, Any]) -> dict[str, Any]:
+    """tau and speed-up of the fastest EAGLE-3 method at the lowest temperature measured, and the val accuracy."""
+    result: dict[str, Any] = {}
+    rows = [r for r in bench_table((info.get("bench") or {}).get("rows", [])) if "tau" in r]
+    if rows:
+        coolest = min(r["temperature"] for r in rows)
+        best = max((r for r in rows if r["temperature"] == coolest), key=lambda r: r["speedup"] or 0.0)
+        result.update(method=best["method"], temperature=best["temperature"], tau=best["tau"], speedup=best["speedup"],
+                      baseline=best["baseline"])
+    val = ((info.get("train") or {}).get("val") or {})
+    if val.get("acc_k"):
+        result.update(val_accuracy=val["acc_k"][0], val_accuracy_per_position=val["acc_k"], val_tau=val.get("tau"))
+    return result
+
+
+def headline_text(numbers: dict[str, Any]) -> str:
+    parts = []
+    if "tau" in numbers:
+        speedup = f"{numbers['speedup']:.2f}x vs {numbers['baseline']}" if numbers.get("speedup") else "no baseline measured"
+        parts.append(f"tau {numbers['tau']:.2f} ({numbers['method']}, T={numbers['temperature']:g}), speed-up {speedup}")
+    if "val_accuracy" in numbers:
+        parts.append(f"val accuracy (first draft position) {numbers['val_accuracy']:.3f}")
+    return "; ".join(parts) if parts else "no headline numbers (bench and train were not run)"
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+# ---- plots --------------------------------------------------------------------------------------
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    _pyplot().close(fig)
+
+
+def plot_training(metrics: dict[str, list[dict[str, Any]]], path: Path) -> bool:
+    train, val = metrics["train"], metrics["val"]
+    if not train and not val:
+        return False
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if train:
+        left.plot([m["step"] for m in train], [m["loss"] for m in train], label="train")
+    if val:
+        left.plot([m["step"] for m in val], [m["loss"] for m in val], "o-", label="validation")
+    left.set(xlabel="optimizer step", ylabel="TTT loss (weighted)", title="loss")
+    left.legend()
+    positions = len((val or train)[-1]["acc_k"])
+    colors = plt.get_cmap("viridis")([k / max(positions - 1, 1) for k in range(positions)])
+    for k in range(positions):
+        if train:
+            right.plot([m["step"] for m in train], [m["acc_k"][k] for m in train], color=colors[k], alpha=0.4)
+        if val:
+            right.plot([m["step"] for m in val], [m["acc_k"][k] for m in val], "o-", color=colors[k], label=f"position {k + 1}")
+    right.set(xlabel="optimizer step", ylabel="top-1 accuracy", title="accuracy per TTT position (dots: validation)", ylim=(0, 1.02))
+    right.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    _save(fig, path)
+    return True
+
+
+def plot_acceptance(rows: list[dict[str, Any]], val: dict[str, Any], path: Path) -> bool:
+    measured = [r for r in rows if r.get("acceptance_per_position")]
+    if not measured and not val.get("acc_k"):
+        return False
+    plt = _pyplot()
+    fig, axis = plt.subplots(figsize=(7, 4.5))
+    for row in measured:
+        rates = row["acceptance_per_position"]
+        axis.plot(range(1, len(rates) + 1), rates, "o-", label=f"{row['method']} T={row['temperature']:g}: accepted (tau {row['tau']:.2f})")
+    if val.get("acc_k"):
+        acc = val["acc_k"]
+        axis.plot(range(1, len(acc) + 1), acc, "s--", color="gray", label="training validation accuracy")
+    axis.set(xlabel="draft position", ylabel="share", ylim=(0, 1.05), title="acceptance per draft position")
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+    return True
+
+
+# ---- sections -----------------------------------------------------------------------------------
+
+def _section_steps(info: dict[str, Any]) -> list[str]:
+    steps = info["run"].get("steps") or []
+    config = info["run"].get("config") or {}
+    lines = ["# eaglekit run report", "", f"Target: `{config.get('target', '?')}`; data: "
+             + ", ".join(f"`{d}`" for d in config.get("data", [])) + f"; training: {config.get('training', '?')}.", ""]
+    if steps:
+        lines += ["| stage | this run | seconds (when it ran) | folder |", "|---|---|---|---|"]
+        lines += [f"| {s['stage']} | {s['status']} | {s['seconds']:.1f} | `{s['directory']}` |" for s in steps]
+    return lines
+
+
+def _section_data(info: dict[str, Any]) -> list[str]:
+    lines = ["", "## Data", ""]
+    regen, extract, vocab = info["regen"], info["extract"], info["vocab"]
+    if regen:
+        lines.append(f"- regen: {regen['finished']} of {regen['records']} records answered by the target "
+                     f"({regen['completion_tokens']} new tokens in {regen['answers']} answers, {regen['seconds']:.1f} s this run)")
+    if extract:
+        tokens, loss_tokens = extract.get("num_tokens"), extract.get("loss_tokens")
+        share = f"{loss_tokens / tokens:.1%}" if loss_tokens is not None and tokens else "n/a"
+        stats = extract.get("stats") or {}
+        lines.append(f"- records: {extract.get('num_records')}; tokens: {tokens}; loss-masked (assistant) tokens: "
+                     f"{_fmt(loss_tokens, 'd')} ({share}); truncated records: {stats.get('truncated', 'n/a')}")
+    if vocab:
+        lines.append(f"- draft vocabulary: {vocab['draft_vocab_size']} of {vocab['vocab_size']} ids ({vocab.get('mapping')}); "
+                     f"coverage {vocab['coverage']:.2%} of {vocab['tokens_counted']} loss-masked tokens "
+                     f"({vocab.get('distinct_tokens')} distinct ids seen)")
+    if len(lines) == 3:
+        lines.append("Not run (regen, extract and vocab left out or not finished).")
+    elif not extract:
+        lines.append("- total tokens and loss-masked share: not measured (no extract stage in this run)")
+    return lines
+
+
+def _section_training(info: dict[str, Any], plotted: bool) -> list[str]:
+    lines = ["", "## Training", ""]
+    train = info["train"]
+    if not train:
+        return lines + ["Not run or not finished (no train/manifest.json)."]
+    val = train.get("val") or {}
+    lines.append(f"{train.get('mode', '?')} training, {train.get('steps')} optimizer steps over {train.get('epochs')} epoch(s), "
+                 f"{train.get('train_records')} training / {train.get('val_records')} validation records; drafter: `{info['out'] / 'train'}`.")
+    if plotted:
+        lines += ["", f"![training curves]({TRAINING_PLOT})"]
+    if val.get("acc_k"):
+        lines += ["", f"Validation at step {val.get('step')}: loss {val['loss']:.4f}, estimated tau {_fmt(val.get('tau'), '.2f')}.", "",
+                  "| TTT position | " + " | ".join(str(k + 1) for k in range(len(val["acc_k"]))) + " |",
+                  "|---|" + "---|" * len(val["acc_k"]),
+                  "| accuracy | " + " | ".join(f"{a:.3f}" for a in val["acc_k"]) + " |"]
+        if val.get("loss_k"):
+            lines.append("| loss | " + " | ".join(f"{v:.3f}" for v in val["loss_k"]) + " |")
+    else:
+        lines.append("No validation split (val_fraction=0 or too few records).")
+    return lines
+
+
+def _section_decoding(info: dict[str, Any], plotted: bool) -> list[str]:
+    lines = ["", "## Decoding", ""]
+    bench = info["bench"]
+    if not bench:
+        return lines + ["Not run or not finished (no bench/bench.json)."]
+    config = bench.get("config") or {}
+    lines.append(f"{bench.get('num_prompts')} prompts from `{config.get('prompts')}`, {config.get('max_new_tokens')} new tokens each, "
+                 f"median of {config.get('repeats')} runs, backend {bench.get('backend')}, device {config.get('device')}.")
+    lines += ["", "| method | T | tokens/s | ms/token | speed-up | tau | acceptance per position |", "|---|---|---|---|---|---|---|"]
+    for r in bench_table(bench.get("rows", [])):
+        speedup = f"{r['speedup']:.2f}x vs {r['baseline']}" if r["speedup"] else "n/a"
+        rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {_fmt(r.get('tokens_per_second'), '.1f')} | "
+                     f"{_fmt(r.get('ms_per_token'), '.2f')} | {speedup} | {_fmt(r.get('tau'), '.2f')} | {rates} |")
+    if plotted:
+        lines += ["", f"![acceptance per position]({ACCEPTANCE_PLOT})"]
+    return lines
+
+
+def _served_target(info: dict[str, Any]) -> str:
+    """The target as an engine must be given it: the built-in 'tiny' and relative paths become absolute."""
+    target = (info["run"].get("config") or {}).get("target", "TARGET")
+    if target == "tiny":
+        from eaglekit.target.loading import tiny_target_path
+
+        return str(tiny_target_path())
+    return str(Path(target).resolve()) if Path(target).exists() else target
+
+
+def launch_commands(target: str, drafter: str, fmt: str, trust_remote_code: bool = False) -> list[str]:
+    """The exact command that serves `target` with the exported drafter in `fmt`'s engine."""
+    steps = SPECULATIVE_TOKENS
+    trust = " --trust-remote-code" if trust_remote_code else ""
+    if fmt == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps})
+        return [f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
+    if fmt == "sglang":
+        return [f"python -m sglang.launch_server --model-path {shlex.quote(target)}{trust} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {shlex.quote(drafter)} --speculative-num-steps {steps} "
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}"]
+    if fmt == "speculators":  # the checkpoint names its verifier; the long form names the target explicitly
+        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps})
+        return [f"vllm serve {shlex.quote(drafter)}{trust}", f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
+    return []
+
+
+def _section_export(info: dict[str, Any]) -> list[str]:
+    lines = ["", "## Export", ""]
+    if not info["exports"]:
+        return lines + ["Not run or not finished (no export/*/manifest.json)."]
+    target = _served_target(info)
+    trust = bool((info["run"].get("config") or {}).get("trust_remote_code"))
+    for fmt, manifest in info["exports"].items():
+        drafter = str((info["out"] / "export" / fmt).resolve())
+        summary = manifest.get("summary") or {}
+        lines += [f"- **{fmt}**: `{drafter}` (aux layer ids as written: {summary.get('config_aux_layer_ids')}; "
+                  f"re-import max logit difference {_fmt(summary.get('max_logit_difference'), '.2g')})", "", "```bash"]
+        lines += launch_commands(target, drafter, fmt, trust) + ["```", ""]
+    return lines
+
+
+def _section_doctor(info: dict[str, Any]) -> list[str]:
+    lines = ["", "## Serving engines (doctor)", ""]
+    if not info["doctor"]:
+        return lines + ["Not run (no doctor/*/doctor.json)."]
+    lines += ["| engine | version | verdict | why | fix |", "|---|---|---|---|---|"]
+    for engine, report in info["doctor"].items():
+        report = report or {}
+        reasons = report.get("reasons") or []
+        fix = report.get("fix") or []
+        cell = lambda items: "; ".join(str(i) for i in items).replace("|", "\\|") or "-"  # noqa: E731
+        lines.append(f"| {engine} | {report.get('engine_version') or 'n/a'} | **{report.get('verdict', 'unknown')}** | {cell(reasons)} | {cell(fix)} |")
+    return lines
+
+
+def write_report(out: str | Path) -> Report:
+    """Write `out/report.md` and its plots from what the stages left in `out`."""
+    out = Path(out)
+    info = collect(out)
+    val = ((info["train"] or {}).get("val") or {})
+    plots = []
+    trained = plot_training(info["metrics"], out / TRAINING_PLOT)
+    if trained:
+        plots.append(out / TRAINING_PLOT)
+    accepted = plot_acceptance((info["bench"] or {}).get("rows", []), val, out / ACCEPTANCE_PLOT)
+    if accepted:
+        plots.append(out / ACCEPTANCE_PLOT)
+    numbers = headline(info)
+    lines = _section_steps(info) + ["", f"**Headline:** {headline_text(numbers)}."]
+    lines += _section_data(info) + _section_training(info, trained) + _section_decoding(info, accepted)
+    lines += _section_export(info) + _section_doctor(info)
+    path = out / "report.md"
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return Report(path, numbers, plots)

@@ -1,0 +1,259 @@
+"""Run the whole path (regen, extract, vocab, train, bench, export, doctor) into one folder, resumably, with a report.
+
+    eaglekit run --target meta-llama/Llama-3.1-8B-Instruct --data prompts.jsonl --out runs/llama
+    eaglekit run --config src/eaglekit/recipes/demo.yaml            # the built-in tiny target on the CPU
+    eaglekit run --config recipe.yaml train.lr=5e-5 bench.num_prompts=20
+
+Each stage runs into its own subfolder of `out` (`regen/`, `extract/`, `vocab/`, `train/`, `bench/`,
+`export/<format>/`, `doctor/<engine>/`) with its resolved config and manifest. A stage's options live in
+the section of the same name (`train: {lr: 5e-5}` or `train.lr=5e-5`) and are checked against that
+stage's own options; the paths that connect the stages are filled in here. Re-running skips every
+stage that finished with the same options and inputs; a changed option re-runs that stage and the
+stages that read its output. Ctrl-C at any point and re-run: finished stages are kept, an interrupted
+one resumes its own partial work. `out/report.md` (with PNG plots) is rewritten at the end of every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from eaglekit.config import option, save_resolved, to_dict
+from eaglekit.errors import EaglekitError
+from eaglekit.interop.formats import EXPORT_FORMATS
+from eaglekit.pipeline import Step, StepRecord, run_steps
+from eaglekit.stages import bench as _bench
+from eaglekit.stages import doctor as _doctor
+from eaglekit.stages import export as _export
+from eaglekit.stages import extract as _extract
+from eaglekit.stages import load_stage
+from eaglekit.stages import regen as _regen
+from eaglekit.stages import train as _train
+from eaglekit.stages import vocab as _vocab
+
+log = logging.getLogger(__name__)
+
+PIPELINE = ("regen", "extract", "vocab", "train", "bench", "export", "doctor")
+ENGINES = ("vllm", "sglang")
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+DATA_SHORTHANDS = {"tiny": "assets/tiny_prompts.jsonl", "tiny-eval": "assets/tiny_prompts_eval.jsonl"}
+
+
+@dataclass(frozen=True)
+class Config:
+    target: str = option("", "target model directory, hub id or 'tiny' (the built-in tiny target)")
+    data: tuple[str, ...] = option((), "prompt/conversation files; 'tiny' = the shipped tiny prompts; paths may be package-relative")
+    out: str = option("", "run directory: one subfolder per stage, run.yaml, run.json, report.md")
+    device: str = option("auto", "device for every stage that loads a model (a section's own device wins)")
+    trust_remote_code: bool = option(False, "allow the target's own modelling code in every stage")
+    stages: tuple[str, ...] = option(PIPELINE, "stages to run, in pipeline order (leave out regen to train on data as is)")
+    training: str = option("offline", "offline: extract hidden states, train from them; online: train runs the target, no extract",
+                           choices=("offline", "online"))
+    export_formats: tuple[str, ...] = option(EXPORT_FORMATS, "checkpoint layouts to export (vllm, sglang, speculators)")
+    doctor_engines: tuple[str, ...] = option(ENGINES, "engines the doctor checks the target against (vllm, sglang)")
+    regen: _regen.Config = option(_regen.Config(), "regen options (section)")
+    extract: _extract.Config = option(_extract.Config(), "extract options (section)")
+    vocab: _vocab.Config = option(_vocab.Config(), "vocab options (section)")
+    train: _train.Config = option(_train.Config(), "train options (section)")
+    bench: _bench.Config = option(_bench.Config(), "bench options (section)")
+    export: _export.Config = option(_export.Config(), "export options (section), used for every format")
+    doctor: _doctor.Config = option(_doctor.Config(), "doctor options (section), used for every engine")
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+def resolve_data_path(value: str) -> str:
+    """'tiny'/'tiny-eval' -> the shipped prompt files; a path that does not exist here is looked up in the package."""
+    if value in DATA_SHORTHANDS:
+        return str(PACKAGE_DIR / DATA_SHORTHANDS[value])
+    path = Path(value).expanduser()
+    if path.exists():
+        return str(path)
+    if not path.is_absolute() and (PACKAGE_DIR / path).exists():
+        return str(PACKAGE_DIR / path)
+    raise EaglekitError(f"data {value} does not exist (here or inside the eaglekit package); pass an existing file, "
+                        "or data=tiny for the shipped prompts")
+
+
+def _target_inputs(target: str) -> tuple[str, ...]:
+    """The target's local folder (fingerprinted into every key), or nothing for a hub id."""
+    from eaglekit.target.loading import resolve_target
+
+    resolved = resolve_target(target)
+    return (resolved,) if Path(resolved).is_dir() else ()
+
+
+def _check(config: Config) -> tuple[str, ...]:
+    """The stages this run has, after checking the combination."""
+    if not config.target:
+        raise EaglekitError("no target: eaglekit run --target MODEL --data PROMPTS --out DIR (or --config recipe.yaml)")
+    if not config.data:
+        raise EaglekitError("no data: pass --data PROMPTS.jsonl (or data=tiny for the shipped prompts)")
+    if not config.out:
+        raise EaglekitError("no run directory: pass --out DIR")
+    unknown = [s for s in config.stages if s not in PIPELINE]
+    if unknown:
+        raise EaglekitError(f"unknown stages {unknown} in stages=; choose from {', '.join(PIPELINE)}")
+    stages = tuple(s for s in PIPELINE if s in config.stages and not (s == "extract" and config.training == "online"))
+    if config.training == "offline" and "train" in stages and "extract" not in stages:
+        raise EaglekitError("training=offline trains from extracted hidden states: add extract to stages, or set training=online")
+    if ("bench" in stages or "export" in stages) and "train" not in stages:
+        raise EaglekitError("bench and export use the drafter that train writes: keep train in stages "
+                            "(a finished train stage is skipped on re-run, not trained again)")
+    for name, chosen, valid in (("export_formats", config.export_formats, EXPORT_FORMATS), ("doctor_engines", config.doctor_engines, ENGINES)):
+        if any(v not in valid for v in chosen):
+            raise EaglekitError(f"{name}={','.join(chosen)}: choose from {', '.join(valid)}")
+    return stages
+
+
+def stage_config(config: Config, name: str, **wired: Any) -> Any:
+    """The section `name` of the run config with the connecting paths (`wired`) filled in.
+
+    A wired option set in the section to something else is refused: the run decides where stages read
+    and write. `device` and `trust_remote_code` come from the run unless the section sets its own.
+    """
+    section = getattr(config, name)
+    default = type(section)()
+    for key, value in wired.items():
+        mine = getattr(section, key)
+        if mine != getattr(default, key) and mine != value:
+            raise EaglekitError(f"{name}.{key} is set by eaglekit run (to {value!r}); remove {name}.{key} from the recipe")
+    fill: dict[str, Any] = {}
+    if hasattr(section, "device") and section.device == default.device:
+        fill["device"] = config.device
+    if hasattr(section, "trust_remote_code") and config.trust_remote_code:
+        fill["trust_remote_code"] = True
+    return dataclasses.replace(section, **{**fill, **wired})
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+def _execute(name: str) -> Callable[[Any], Any]:
+    """Looks the stage up when it runs (so a test can replace a stage's `run`)."""
+    return lambda stage_config: load_stage(name).run(stage_config)
+
+
+def _inherit(section: Any, default: Any, key: str, value: Any) -> Any:
+    return value if getattr(section, key) == getattr(default, key) else getattr(section, key)
+
+
+def _data_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...], target: tuple[str, ...]) -> tuple[list[Step], tuple[str, ...], tuple[str, ...]]:
+    """regen (when asked) -> (steps, training conversations, step names they come from)."""
+    if "regen" not in stages:
+        return [], data, ()
+    regen = stage_config(config, "regen", data=data, output=str(out / "regen"), target=config.target)
+    step = Step("regen", out / "regen", lambda: regen, _execute("regen"), after=(), inputs=(*data, *target), outputs=("manifest.json",))
+    return [step], (str(out / "regen" / _regen.OUTPUT_FILE),), ("regen",)
+
+
+def plan(config: Config) -> list[Step]:
+    """Every step of this run with its config built (so a bad option fails before anything runs)."""
+    stages = _check(config)
+    out, target = Path(config.out), _target_inputs(config.target)
+    data = tuple(resolve_data_path(d) for d in config.data)
+    steps, conversations, source = _data_steps(config, stages, out, data, target)
+    inputs = (*target, *(() if source else data))
+    online = config.training == "online"
+    if "extract" in stages:
+        extract = stage_config(config, "extract", data=conversations, output=str(out / "extract"), target=config.target)
+        steps.append(Step("extract", out / "extract", lambda: extract, _execute("extract"), source, inputs, ("manifest.json",)))
+    if "vocab" in stages:
+        length_from = config.train if online else config.extract
+        vocab = stage_config(config, "vocab", data=conversations, output=str(out / "vocab"), target=config.target)
+        vocab = dataclasses.replace(vocab, max_length=_inherit(vocab, _vocab.Config(), "max_length", length_from.max_length))
+        steps.append(Step("vocab", out / "vocab", lambda: vocab, _execute("vocab"), source, inputs, ("manifest.json",)))
+    if "train" in stages:
+        vocab_file = str(out / "vocab" / "vocab.safetensors") if "vocab" in stages else config.train.vocab
+        train = stage_config(config, "train", target=config.target, output=str(out / "train"), resume=True, vocab=vocab_file,
+                             shards="" if online else str(out / "extract"), data=conversations if online else ())
+        after = (*(source if online else ("extract",)), *(("vocab",) if "vocab" in stages else ()))
+        steps.append(Step("train", out / "train", lambda: train, _execute("train"), after, inputs, ("manifest.json", "model.safetensors")))
+    steps += _later_steps(config, stages, out, data, target)
+    return steps
+
+
+def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...], target: tuple[str, ...]) -> list[Step]:
+    steps: list[Step] = []
+    drafter = str(out / "train")
+    if "bench" in stages:
+        prompts = resolve_data_path(config.bench.prompts) if config.bench.prompts else data[0]
+        bench = stage_config(config, "bench", target=config.target, drafter=drafter, output=str(out / "bench"))
+        bench = dataclasses.replace(bench, prompts=prompts)
+        steps.append(Step("bench", out / "bench", lambda: bench, _execute("bench"), ("train",), (*target, prompts), ("bench.json",)))
+    if "export" in stages:
+        for fmt in config.export_formats:
+            export = stage_config(config, "export", drafter=drafter, to=fmt, output=str(out / "export" / fmt))
+            steps.append(Step(f"export-{fmt}", out / "export" / fmt, (lambda c=export: c), _execute("export"), ("train",), (),
+                              ("manifest.json", "config.json")))
+    if "doctor" in stages:
+        for engine in config.doctor_engines:
+            folder = out / "doctor" / engine
+            doctor = stage_config(config, "doctor", target=config.target, engine=engine)
+            doctor = dataclasses.replace(doctor, fix=doctor.fix and engine == "vllm",  # the --fix plugin is vLLM's
+                                         fix_output=_inherit(doctor, _doctor.Config(), "fix_output", str(folder / "plugin")))
+            steps.append(Step(f"doctor-{engine}", folder, (lambda c=doctor: c), _doctor_step(folder),
+                              (), target, ("doctor.json",)))
+    return steps
+
+
+def _doctor_target(target: str) -> str:
+    """What the doctor reads: the target's folder, or a hub model's cached config.json (else the name as given)."""
+    from eaglekit.target.loading import resolve_target
+
+    resolved = resolve_target(target)
+    if Path(resolved).exists():
+        return resolved
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(resolved, "config.json")
+    except Exception as error:  # noqa: BLE001 - offline, gated, unknown repo: the doctor then reports on the name
+        log.warning("doctor: cannot fetch config.json of %s (%s); checking the name as given", resolved, type(error).__name__)
+        return resolved
+
+
+def _doctor_step(directory: Path) -> Callable[[Any], Any]:
+    """The doctor for one engine; an engine whose source is not here gives the verdict 'unknown', not a failed run."""
+    from eaglekit.manifest import atomic_write_json, write_manifest
+
+    def go(config: Any) -> dict[str, Any]:
+        config = dataclasses.replace(config, target=_doctor_target(config.target))
+        try:
+            result = load_stage("doctor").run(config)
+        except EaglekitError as error:
+            log.warning("doctor %s: %s", config.engine, error)
+            result = {"engine": config.engine, "engine_version": None, "verdict": "unknown", "reasons": [str(error)], "fix": []}
+        atomic_write_json(directory / "doctor.json", result)
+        save_resolved(config, directory)
+        write_manifest(directory, "doctor", {"engine": config.engine, "verdict": result.get("verdict")})
+        return result
+    return go
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
+    return [{"stage": r.name, "status": r.status, "seconds": round(r.seconds, 2), "key": r.key,
+             "directory": str(r.directory) if r.directory else None} for r in records]
+
+
+def run(config: Config) -> dict[str, Any]:
+    from eaglekit.manifest import atomic_write_json
+    from eaglekit.report import headline_text, write_report
+
+    steps = plan(config)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved(config, out, name="run.yaml")
+    log.info("run: %d stages into %s: %s", len(steps), out, ", ".join(s.name for s in steps))
+    records = run_steps(steps)
+    atomic_write_json(out / "run.json", {"config": to_dict(config), "steps": _summary(records)})
+    report = write_report(out)
+    ran = sum(r.status == "ran" for r in records)
+    print(f"\nrun finished: {ran} stage(s) ran, {len(records) - ran} skipped (finished earlier with the same options)")
+    print(f"report: {report.path}")
+    print(headline_text(report.headline))
+    return {"report": str(report.path), "headline": report.headline, "steps": _summary(records)}

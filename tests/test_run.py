@@ -1,0 +1,144 @@
+"""`eaglekit run`: the whole pipeline end to end on a tiny random chat target, Ctrl-C in a stage and re-run,
+a re-run that skips everything, a changed option that re-runs only the stage that depends on it; wiring rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from eaglekit.config import load_config
+from eaglekit.errors import EaglekitError
+from eaglekit.stages import run as run_stage
+from eaglekit.stages.run import Config, plan, resolve_data_path
+
+TOPICS = ["the quick brown fox", "the lazy dog", "hello world", "what is two plus two", "jumps over the dog",
+          "brown fox says hello", "two plus two is four", "the world is lazy"]
+
+
+@pytest.fixture
+def prompts(tmp_path) -> str:
+    path = tmp_path / "prompts.jsonl"
+    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
+               for i, t in enumerate(TOPICS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def tiny_run(target: str, data: str, out: Path, **extra) -> Config:
+    """Tiny budgets: the whole pipeline in seconds on the CPU."""
+    values = {
+        "target": target, "data": [data], "out": str(out), "device": "cpu", "doctor_engines": ["vllm"],
+        "regen": {"max_new_tokens": 10, "batch_size": 4},
+        "extract": {"max_length": 64, "dtype": "fp32", "shard_mb": 1},
+        "vocab": {"size": 128},
+        "train": {"epochs": 2, "batch_size": 2, "ttt_steps": 2, "max_length": 64, "val_fraction": 0.25, "lr": 1e-3, "log_every": 1},
+        "bench": {"methods": ["plain", "chain"], "temperatures": [0.0], "num_prompts": 2, "max_new_tokens": 8,
+                  "repeats": 1, "warmup": 0, "chain_length": 2},
+        "doctor": {"engine_source": str(out.parent / "no-vllm-here")},
+    }
+    for key, value in extra.items():
+        section, _, name = key.partition("__")
+        if name:
+            values[section] = {**values.get(section, {}), name: value}
+        else:
+            values[key] = value
+    return load_config(Config, overrides=values)
+
+
+def statuses(result: dict) -> dict[str, str]:
+    return {s["stage"]: s["status"] for s in result["steps"]}
+
+
+def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, prompts, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    config = tiny_run(chat_target, prompts, out)
+    from eaglekit.stages import train
+
+    real_train = train.run
+
+    def interrupted(stage_config):  # Ctrl-C in the middle of training
+        (Path(stage_config.output) / "partial").write_text("x")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage.run(config)
+    assert (out / "regen" / "manifest.json").is_file() and (out / "vocab" / "manifest.json").is_file()
+    assert not (out / "train" / ".run-done").exists()
+    monkeypatch.setattr(train, "run", real_train)
+
+    result = run_stage.run(config)  # continues: finished stages skipped, train resumed in its own folder
+    assert statuses(result) == {"regen": "skipped", "extract": "skipped", "vocab": "skipped", "train": "ran", "bench": "ran",
+                                "export-vllm": "ran", "export-sglang": "ran", "export-speculators": "ran", "doctor-vllm": "ran"}
+    assert (out / "train" / "partial").exists() and not (out / "train.old").exists()
+    for path in ("regen/conversations.jsonl", "extract/manifest.json", "vocab/vocab.safetensors", "train/model.safetensors",
+                 "train/metrics.jsonl", "bench/bench.json", "export/vllm/config.json", "export/sglang/model.safetensors",
+                 "export/speculators/config.json", "doctor/vllm/doctor.json", "report-training.png", "report-acceptance.png"):
+        assert (out / path).is_file(), path
+    for stage in ("regen", "extract", "vocab", "train", "bench"):
+        assert (out / stage / "config.yaml").is_file() and (out / stage / "manifest.json").is_file(), stage
+
+    report = (out / "report.md").read_text()
+    bench = json.loads((out / "bench" / "bench.json").read_text())
+    chain = next(r for r in bench["rows"] if r["method"] == "chain")
+    vocab = json.loads((out / "vocab" / "manifest.json").read_text())
+    assert f"| chain | 0 | {chain['tokens_per_second']:.1f} |" in report and f"{chain['tau']:.2f}" in report
+    assert f"coverage {vocab['coverage']:.2%}" in report
+    assert str((out / "export" / "sglang").resolve()) in report and "--speculative-algorithm EAGLE3" in report
+    assert f"vllm serve {chat_target} --speculative-config" in report
+    assert "| vllm | n/a | **unknown** |" in report  # no vLLM source here: the doctor says unknown, the run goes on
+    assert result["headline"]["tau"] == pytest.approx(chain["tau"])
+
+    again = run_stage.run(config)  # nothing changed: everything skipped
+    assert set(statuses(again).values()) == {"skipped"}
+
+    changed = run_stage.run(dataclasses.replace(config, bench=dataclasses.replace(config.bench, max_new_tokens=6)))
+    ran = {name for name, status in statuses(changed).items() if status == "ran"}
+    assert ran == {"bench"}  # export reads train, not bench: it is kept
+    assert (out / "bench.old" / "bench.json").is_file()
+
+
+def test_online_plan_skips_extract_and_trains_on_regenerated_data(chat_target, prompts, tmp_path):
+    config = tiny_run(chat_target, prompts, tmp_path / "run", training="online")
+    steps = {s.name: s for s in plan(config)}
+    assert "extract" not in steps
+    train = steps["train"].make_config()
+    assert train.shards == "" and train.data == (str(tmp_path / "run" / "regen" / "conversations.jsonl"),)
+    assert train.vocab == str(tmp_path / "run" / "vocab" / "vocab.safetensors") and train.resume
+    assert steps["train"].after == ("regen", "vocab")
+    assert steps["vocab"].make_config().max_length == 64  # follows train.max_length in online mode
+
+
+def test_without_regen_stages_read_the_data_as_is(chat_target, prompts, tmp_path):
+    config = tiny_run(chat_target, prompts, tmp_path / "run", stages=["extract", "vocab", "train"])
+    steps = {s.name: s for s in plan(config)}
+    assert list(steps) == ["extract", "vocab", "train"]
+    assert steps["extract"].make_config().data == (prompts,) and prompts in steps["extract"].inputs
+
+
+def test_wired_options_and_bad_combinations_are_refused(chat_target, prompts, tmp_path):
+    with pytest.raises(EaglekitError, match="train.output is set by eaglekit run"):
+        plan(tiny_run(chat_target, prompts, tmp_path, train__output="elsewhere"))
+    with pytest.raises(EaglekitError, match="did you mean 'train.lr'"):
+        tiny_run(chat_target, prompts, tmp_path, train__lrr=1.0)
+    with pytest.raises(EaglekitError, match="keep train in stages"):
+        plan(tiny_run(chat_target, prompts, tmp_path, stages=["bench"]))
+    with pytest.raises(EaglekitError, match="add extract to stages"):
+        plan(tiny_run(chat_target, prompts, tmp_path, stages=["vocab", "train"]))
+    with pytest.raises(EaglekitError, match="unknown stages"):
+        plan(tiny_run(chat_target, prompts, tmp_path, stages=["regen", "trian"]))
+    with pytest.raises(EaglekitError, match="export_formats"):
+        plan(tiny_run(chat_target, prompts, tmp_path, export_formats=["onnx"]))
+    with pytest.raises(EaglekitError, match="no data"):
+        plan(dataclasses.replace(tiny_run(chat_target, prompts, tmp_path), data=()))
+
+
+def test_data_shorthands_and_package_paths():
+    shipped = Path(resolve_data_path("tiny"))
+    assert shipped.name == "tiny_prompts.jsonl" and shipped.is_file()
+    assert Path(resolve_data_path("assets/tiny_prompts_eval.jsonl")) == shipped.parent / "tiny_prompts_eval.jsonl"
+    with pytest.raises(EaglekitError, match="data=tiny"):
+        resolve_data_path("no/such/file.jsonl")
