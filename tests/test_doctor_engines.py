@@ -225,3 +225,23 @@ def test_target_report_without_engine(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report  # the capture part's target report, printed as JSON
     assert "LlamaForCausalLM" in json.dumps(report)
+
+
+def test_installed_plugin_entry_point_is_detected(tmp_path, monkeypatch):
+    """A plugin pip-installed into the environment is found through its entry point, without importing it."""
+    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
+    project = write_vllm_plugin(vllm(config), tmp_path / "plugins")
+    package = next(p for p in project.iterdir() if p.is_dir())
+    site = tmp_path / "site"
+    shutil.copytree(package, site / package.name)
+    info = site / f"{package.name}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package.name}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{package.name} = {package.name}:register\n")
+    files = [f"{package.name}/__init__.py", f"{package.name}/model.py", f"{info.name}/METADATA"]
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+    monkeypatch.syspath_prepend(str(site))
+    report = diagnose("vllm", config, str(VLLM_TREE), installed_plugins=True)
+    assert report["verdict"] == "supported"
+    assert report["registry"]["registered_by"] == package.name
+    assert package.name not in __import__("sys").modules  # read, never imported

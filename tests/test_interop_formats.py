@@ -180,3 +180,12 @@ def test_import_refuses_unsupported_variants(tmp_path):
         import_checkpoint(tmp_path / "v")
     with pytest.raises(EaglekitError, match="already an eaglekit drafter"):
         import_checkpoint(drafter.save_pretrained(tmp_path / "native"))
+
+
+def test_cli_export_and_import(tmp_path, drafter_dir):
+    from eaglekit.cli import main
+
+    assert main(["export", str(drafter_dir), "--to", "sglang", f"output={tmp_path / 'sg'}"]) == 0
+    assert main(["import", str(tmp_path / "sg"), f"output={tmp_path / 'back'}"]) == 0
+    assert Eagle3Drafter.from_pretrained(tmp_path / "back").config.aux_layer_ids == (2, 4, 5)
+    assert main(["export", str(drafter_dir), "--to", "tensorrt"]) == 1  # not a choice: one-line error
