@@ -210,3 +210,29 @@ def test_target_report_on_a_saved_wrapper(tmp_path):
     assert report["layer_class"] == "LlamaDecoderLayer" and report["num_layers"] == LAYERS
     assert report["verification"]["ok"] and report["verification"]["compared"] == ["aux2", "final"]
     assert "decoder path:     model.language_model.layers" in format_target_report(report)
+
+
+class PreNormLastHiddenState(nn.Module):
+    """A model whose `hidden_states[-1]` is the last layer's output BEFORE the final norm (older
+    transformers conventions): verification must still pass, comparing after the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build("llama")
+        self.config = self.inner.config
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=False):
+        seen = {}
+        handle = self.inner.model.norm.register_forward_hook(lambda module, args, output: seen.update(pre_norm=args[0]))
+        out = self.inner(input_ids=input_ids, output_hidden_states=output_hidden_states)
+        handle.remove()
+        if output_hidden_states:
+            out.hidden_states = out.hidden_states[:-1] + (seen["pre_norm"],)
+        return out
+
+
+def test_verification_accepts_a_pre_norm_last_hidden_state():
+    model = PreNormLastHiddenState()
+    with HiddenStateCapture(model, (1, 2, 3)) as capture:
+        result = verify_capture(model, capture, torch.randint(0, 100, (1, 5)))
+    assert result.ok and "before the final norm" in result.reference and "final" in result.compared
