@@ -61,8 +61,10 @@ class Decoder:
         backend.reset()
         return backend
 
-    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, method: str = "tree", **options) -> GenerateResult:
-        """Decode `max_new_tokens` after `prompt_ids` (batch 1); `options` are `DecodeOptions` fields."""
+    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, method: str = "tree",
+                 on_tokens=None, **options) -> GenerateResult:
+        """Decode `max_new_tokens` after `prompt_ids` (batch 1); `options` are `DecodeOptions` fields.
+        `on_tokens(list[int])` is called with each step's new tokens (streaming; EOS left out)."""
         if isinstance(prompt_ids, torch.Tensor):
             prompt_ids = prompt_ids.reshape(-1).tolist()
         if not prompt_ids:
@@ -82,7 +84,8 @@ class Decoder:
         target_backend = self._target_backend(aux_layers)
         drafter_backend = None if method == "plain" else self._drafter_backend(opts)
         with torch.inference_mode():
-            return decode_loop(target_backend, drafter_backend, self.drafter, prompt_ids, max_new_tokens, opts, self.vocab_size)
+            return decode_loop(target_backend, drafter_backend, self.drafter, prompt_ids, max_new_tokens, opts,
+                               self.vocab_size, on_tokens)
 
 
 def generate(

@@ -148,31 +148,36 @@ def verify(tree: DraftTree, logits: torch.Tensor, options: DecodeOptions, genera
 class _Output:
     """Collects new tokens, stopping at the first EOS or at the length budget."""
 
-    def __init__(self, max_new_tokens: int, eos: tuple[int, ...]):
+    def __init__(self, max_new_tokens: int, eos: tuple[int, ...], on_tokens=None):
         self.tokens: list[int] = []
         self.max_new_tokens, self.eos = max_new_tokens, set(eos)
         self.finish_reason = ""
+        self.on_tokens = on_tokens  # streaming callback, given the new tokens (EOS left out) after each step
 
     def add(self, tokens: list[int]) -> bool:
         """Append; True when generation is over."""
+        start, done = len(self.tokens), False
         for token in tokens:
             self.tokens.append(token)
             if token in self.eos:
-                self.finish_reason = "eos"
-                return True
+                self.finish_reason, done = "eos", True
+                break
             if len(self.tokens) >= self.max_new_tokens:
-                self.finish_reason = "length"
-                return True
-        return False
+                self.finish_reason, done = "length", True
+                break
+        fresh = [t for t in self.tokens[start:] if t not in self.eos]
+        if self.on_tokens is not None and fresh:
+            self.on_tokens(fresh)
+        return done
 
 
 def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int], max_new_tokens: int,
-                options: DecodeOptions, vocab_size: int) -> GenerateResult:
+                options: DecodeOptions, vocab_size: int, on_tokens=None) -> GenerateResult:
     """Run plain or speculative decoding on prepared backends (see module docstring)."""
     device = target_backend.device
     generator = torch.Generator(device=device).manual_seed(options.seed)
     stats = DecodeStats(max_drafts=0 if options.method == "plain" else options.draft_depth)
-    out = _Output(max_new_tokens, options.eos_token_ids)
+    out = _Output(max_new_tokens, options.eos_token_ids, on_tokens)
     prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     n = prompt.shape[0]
     start_time = time.perf_counter()

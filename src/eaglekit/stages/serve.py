@@ -40,10 +40,17 @@ class Config:
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
+    drafter: str = option("", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics")
+    method: str = option("tree", "with drafter: speculative decoding method", choices=("tree", "chain"))
 
 
 def build_engine(config: Config) -> GenerationEngine:
-    """The generation engine behind the server (the in-process target)."""
+    """The generation engine behind the server (the in-process target, or speculative with a drafter)."""
+    if config.drafter:
+        from eaglekit.decode.serving import SpeculativeEngine
+
+        return SpeculativeEngine.load(config.target, config.drafter, config.device, config.dtype,
+                                      config.trust_remote_code, method=config.method)
     return HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code)
 
 

@@ -1,0 +1,69 @@
+"""The speculative generation engine behind `eaglekit serve drafter=DIR`.
+
+Implements the engine interface of `eaglekit.target.server` (encode_chat, decode, generate,
+generate_many, metrics): tokenisation is the HF backend's, generation is `eaglekit.decode.Decoder`
+(batch 1; a batch of queued requests is decoded one after another). `metrics()` reports cumulative
+acceptance: tau and acceptance per draft position, shown under "engine" on `/metrics`; each
+response's `EngineOutput.stats` carries that request's tau and acceptance.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from eaglekit.decode import Decoder
+from eaglekit.decode.engine import DecodeStats
+from eaglekit.target.backends import EngineOutput, HFBackend
+
+
+class SpeculativeEngine:
+    def __init__(self, base: HFBackend, drafter: torch.nn.Module, method: str = "tree", backend: str = "eager",
+                 compile: bool = False, **options: Any):
+        self.base = base
+        self.max_context = base.max_context
+        self.method, self.options = method, options
+        self.decoder = Decoder(base.model, drafter, backend, compile, max_length=base.max_context or 4096)
+        self.total = DecodeStats(max_drafts=options.get("chain_length", 4) if method == "chain" else options.get("depth", 6))
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, target: str, drafter: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
+             method: str = "tree", backend: str = "auto", compile: bool = False) -> "SpeculativeEngine":
+        from eaglekit.decode.setup import load_drafter, resolve_backend
+
+        base = HFBackend.load(target, device, dtype, trust_remote_code)
+        model_param = next(base.model.parameters())
+        loaded = load_drafter(drafter, base.model, model_param.device, model_param.dtype)
+        return cls(base, loaded, method, resolve_backend(backend, base.model), compile)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.base.encode_chat(messages)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.base.decode(ids)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> EngineOutput:
+        with self._lock:  # one decoder, one sequence at a time
+            result = self.decoder.generate(prompt_ids, max_new_tokens, self.method, on_tokens=on_tokens,
+                                           temperature=temperature, top_p=top_p, seed=seed or 0,
+                                           eos_token_ids=tuple(self.base.eos_ids), **self.options)
+            self.total.accepted.extend(result.stats.accepted)
+            self.requests += 1
+        ids = [t for t in result.tokens if t not in self.base.eos_ids]
+        stats = {"tau": result.stats.tau, "acceptance_per_position": result.stats.acceptance_per_position()}
+        return EngineOutput(ids, "stop" if result.finish_reason == "eos" else "length", stats)
+
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = None) -> list[EngineOutput]:
+        return [self.generate(p, max_new_tokens, temperature, top_p, seed) for p in prompts]
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            return {"engine": "eaglekit-speculative", "method": self.method, "requests": self.requests,
+                    "verify_steps": len(self.total.accepted), "tau": self.total.tau,
+                    "acceptance_per_position": self.total.acceptance_per_position()}
