@@ -52,6 +52,7 @@ def run(config: Config) -> dict[str, Any]:
     if output.resolve() == source.resolve():
         raise EaglekitError("output must differ from the drafter directory; pass output=<new dir>")
     drafter = Eagle3Drafter.from_pretrained(source)
+    (output / "manifest.json").unlink(missing_ok=True)  # its presence means "finished": not while files change
     dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
     summary = export_drafter(drafter, output, config.to, dtype=dtype, include_embedding=config.include_embedding,
                              speculative_tokens=config.speculative_tokens)
