@@ -37,8 +37,12 @@ def _class_entry(cls: ClassInfo, source: EngineSource) -> dict[str, Any]:
 
 # --- vLLM -----------------------------------------------------------------------------------
 def vllm_interface(index: ModuleIndex, cls: ClassInfo, protocol: ClassInfo) -> dict[str, Any]:
-    required = [m for m in protocol.methods() if not m.startswith("_")]
-    methods = _method_facts(index, cls, required, protocol.name)
+    required: list[str] = []  # the protocol's public methods, its parent protocols' included
+    for entry in index.mro(protocol):
+        if isinstance(entry, ClassInfo):
+            required += [m for m in entry.methods() if not m.startswith("_") and m not in required]
+    protocols = tuple(e.name for e in index.mro(protocol) if isinstance(e, ClassInfo))
+    methods = _method_facts(index, cls, required, protocols)
     in_mro = _in_mro(index, cls, protocol.name) is not None
     flag = in_mro or any(isinstance(e, ClassInfo) and "supports_eagle3" in e.class_attributes() for e in index.mro(cls))
     implements = flag and all(m["status"] != "missing" for m in methods.values())
@@ -189,7 +193,7 @@ def check_sglang(index: ModuleIndex, source: EngineSource, target: Target) -> di
     if cls is None:
         return _unknown(report, f"EntryClass of {module} names {name}, which the doctor could not resolve")
     report["class"] = _class_entry(cls, source)
-    methods = _method_facts(index, cls, list(SGLANG_METHODS), None)
+    methods = _method_facts(index, cls, list(SGLANG_METHODS), ())
     report["interface"] = {"interface": "set_eagle3_layers_to_capture", "methods": methods,
                            "implements": all(m["status"] != "missing" for m in methods.values())}
     wrapper, inner = None, None
@@ -198,7 +202,7 @@ def check_sglang(index: ModuleIndex, source: EngineSource, target: Target) -> di
         owner, value, inner, how = _inner_model(index, assignments, registry, target)
         wrapper = {"attribute": "language_model", "assigned_at": f"{owner.relative}:{value.lineno}", "inner_how": how,
                    "inner": _class_entry(inner, source) if inner else None,
-                   "inner_interface": ({"methods": _method_facts(index, inner, list(SGLANG_METHODS), None)} if inner else None)}
+                   "inner_interface": ({"methods": _method_facts(index, inner, list(SGLANG_METHODS), ())} if inner else None)}
     report["wrapper"] = wrapper
     report["decoder"] = decoder_facts(index, inner or cls) if (inner or not wrapper) else None
     layers = default_layers(index, cls, "set_eagle3_layers_to_capture", target.num_layers, attribute="layers_to_capture")

@@ -68,7 +68,8 @@ def read_target(target: str) -> Target:
                       text.get("num_hidden_layers") or data.get("num_hidden_layers"),
                       (text.get("architectures") or [None])[0], str(path))
     if not target.replace("_", "").isalnum():
-        raise EaglekitError(f"target '{target}' is neither an existing config.json/model directory nor an architecture name")
+        raise EaglekitError(f"target '{target}' is neither an existing config.json/model directory nor an architecture name; "
+                            "for a hub model, download its config.json (huggingface-cli download <id> config.json) and pass that")
     return Target(target, source="architecture name")
 
 
@@ -135,11 +136,11 @@ def _in_mro(index: ModuleIndex, cls: ClassInfo, name: str) -> ClassInfo | str | 
     return None
 
 
-def _method_facts(index: ModuleIndex, cls: ClassInfo, names: list[str], protocol: str | None) -> dict[str, Any]:
-    """name -> where it is implemented: own/inherited definition, the protocol's default, or missing."""
+def _method_facts(index: ModuleIndex, cls: ClassInfo, names: list[str], protocols: tuple[str, ...]) -> dict[str, Any]:
+    """name -> where it is implemented: own/inherited definition, a protocol's (non-stub) default, or missing."""
     facts = {}
     for name in names:
-        found = index.find_method(cls, name, skip=(protocol,) if protocol else ())
+        found = index.find_method(cls, name, skip=protocols)
         if found is not None:
             owner, node = found
             facts[name] = {"status": "defined", "class": owner.name, "where": f"{owner.relative}:{node.lineno}"}
