@@ -199,7 +199,6 @@ def prepare_output(out: Path, identity: dict[str, Any], overwrite: bool, rank: i
         elif any(out.glob("shard-r*.safetensors")) or any(out.glob("shards-r*.jsonl")):
             raise EaglekitError(f"{out} holds shards without {RUN_FILE}; pass --overwrite or choose a new output directory")
         atomic_write_json(out / RUN_FILE, identity)
-        (out / "manifest.json").unlink(missing_ok=True)  # this run is not finished until it writes a new one
     _barrier(world)
     done = {record for entry in merge_shard_logs(out) for record in entry["records"]}
     logged = {entry["file"] for entry in read_shard_log(out, rank)}
@@ -209,10 +208,10 @@ def prepare_output(out: Path, identity: dict[str, Any], overwrite: bool, rank: i
     return done
 
 
-def _layout_and_identity(config: Config, model: torch.nn.Module, tokenizer: Any, aux_ids: tuple[int, ...]) -> tuple[StoreLayout, dict[str, Any]]:
-    text = text_config(model.config)
+def _layout_and_identity(config: Config, target_config: Any, tokenizer: Any, aux_ids: tuple[int, ...]) -> tuple[StoreLayout, dict[str, Any]]:
+    text = text_config(target_config)
     layout = StoreLayout(hidden_size=text.hidden_size, num_aux=len(aux_ids), dtype=config.dtype)
-    identity = {"format": STORE_FORMAT, "target_config_hash": target_config_hash(model.config),
+    identity = {"format": STORE_FORMAT, "target_config_hash": target_config_hash(target_config),
                 "tokenizer_hash": tokenizer_hash(tokenizer), "aux_layer_ids": list(aux_ids),
                 "aux_layer_convention": INPUT_OF_LAYER, "dtype": config.dtype, "max_length": config.max_length,
                 "chat_template": config.chat_template}
@@ -288,19 +287,25 @@ def run(config: Config) -> ExtractResult:
         raise EaglekitError("no data: pass conversation files, e.g. eaglekit extract data.jsonl output=DIR target=...")
     rank, world = distributed()
     out = Path(config.output)
-    load_target_config(config.target, config.trust_remote_code)  # fail fast on a bad path or remote code
+    target_config = load_target_config(config.target, config.trust_remote_code)  # fails fast: bad path, remote code
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
     records, stats = tokenize_records(config, tokenizer)
+    num_layers = int(getattr(text_config(target_config), "num_hidden_layers", 0) or 0)
+    aux_ids = resolve_aux_ids(config, num_layers)
+    layout, identity = _layout_and_identity(config, target_config, tokenizer, aux_ids)
+    done = prepare_output(out, identity, config.overwrite, rank, world)  # before loading a large model
+    if rank == 0:
+        save_resolved(config, out)
     device = _device(config, world)
     model = load_target(config.target, device=device, dtype=resolve_dtype(config.model_dtype, device),
                         trust_remote_code=config.trust_remote_code, device_map=config.device_map or None)
     stack = find_decoder(model, config.decoder_path or None)
-    aux_ids = resolve_aux_ids(config, stack.num_layers)
-    layout, identity = _layout_and_identity(config, model, tokenizer, aux_ids)
-    done = prepare_output(out, identity, config.overwrite, rank, world)
-    if rank == 0:
-        save_resolved(config, out)
+    if stack.num_layers != num_layers:
+        raise EaglekitError(f"the decoder found at {stack.path} has {stack.num_layers} layers but the config says "
+                            f"{num_layers}; pass decoder_path= naming the text decoder's layer list")
     todo = [r for r in records if r.id not in done]
+    if todo and rank == 0:  # new records: the store is not finished until this run writes a new manifest
+        (out / "manifest.json").unlink(missing_ok=True)
     batches = split_for_rank(make_batches(todo, config.batch_tokens, config.max_batch_size), rank, world)
     log.info("rank %d/%d: %d records stored already, %d batches to extract", rank, world, len(done), len(batches))
     capacity = max(int(config.shard_mb * 2**20) // layout.bytes_per_token, config.batch_tokens)
