@@ -47,7 +47,7 @@ class Config:
     total_tokens: int = option(48, "tree: draft nodes verified per target forward")
     chain_length: int = option(4, "chain: draft tokens per target forward")
     backend: str = option("auto", "eaglekit backend: auto, eager or static", choices=("auto", "eager", "static"))
-    compile: bool = option(False, "torch.compile + CUDA graphs for eaglekit's fixed-shape steps (GPU)")
+    compile: bool = option(True, "torch.compile + CUDA graphs for eaglekit's fixed-shape static-backend steps (GPU only; ignored on CPU)")
     seed: int = option(0, "sampling seed")
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
@@ -82,7 +82,7 @@ class _Runner:
         from eaglekit.decode import Decoder
 
         longest = max_prompt + config.max_new_tokens + max(config.total_tokens, config.chain_length) + 2
-        self.decoder = Decoder(target, drafter, backend, config.compile, max_length=longest)
+        self.decoder = Decoder(target, drafter, backend, config.compile and device.type == "cuda", max_length=longest)
 
     def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, list[int] | None]:
         import torch

@@ -37,7 +37,7 @@ class Config:
     total_tokens: int = option(48, "tree: draft nodes verified per target forward")
     chain_length: int = option(4, "chain: draft tokens per target forward")
     backend: str = option("auto", "auto = static fast path for Llama-family dense targets, else eager", choices=("auto", "eager", "static"))
-    compile: bool = option(False, "torch.compile + CUDA graphs for the fixed-shape steps (static backend, GPU)")
+    compile: bool = option(False, "torch.compile + CUDA graphs for the static backend's fixed-shape steps (GPU only; pays off on long outputs)")
     seed: int = option(0, "sampling seed")
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
@@ -64,7 +64,8 @@ def run(config: Config) -> dict[str, Any]:
     ids = prompt_ids(tokenizer, [{"role": "user", "content": config.prompt}], config.chat)
     backend = resolve_backend(config.backend, target)
     result = generate(target, drafter, ids, config.max_new_tokens, method=config.method, backend=backend,
-                      compile=config.compile, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                      compile=config.compile and device.type == "cuda", temperature=config.temperature,
+                      top_p=config.top_p, top_k=config.top_k,
                       depth=config.depth, tree_top_k=config.tree_top_k, total_tokens=config.total_tokens,
                       chain_length=config.chain_length, eos_token_ids=eos_ids(tokenizer, target), seed=config.seed)
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
