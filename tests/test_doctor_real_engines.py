@@ -103,3 +103,29 @@ def test_sglang_release(tmp_path):
     assert kimi["verdict"] == "supported" and kimi["wrapper"]["inner"]["class"] == "DeepseekV3ForCausalLM"
     gpt2 = diagnose("sglang", "GPT2LMHeadModel", source)
     assert gpt2["verdict"] == "not supported"
+
+
+def test_export_layout_matches_the_real_loaders():
+    """What `eaglekit export` writes is what these releases' loaders read (architecture, tensor prefix, id keys)."""
+    from eaglekit.interop import formats
+    from eaglekit.interop.engine_doctor import sglang_registry, vllm_registry
+    from eaglekit.interop.engine_source import open_source
+    from eaglekit.interop.pysource import ModuleIndex
+
+    for version in (OLD_VLLM, NEW_VLLM):
+        source = open_source("vllm", wheel(*version))
+        registry = vllm_registry(ModuleIndex([source]))
+        assert registry[formats.EAGLE3_ARCHITECTURES[0]] == ("vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM")
+        loader = source.read("vllm/model_executor/models/llama_eagle3.py")
+        assert '"midlayer."' in loader.replace("'", '"') and '"d2t"' in loader.replace("'", '"')
+    new = open_source("vllm", wheel(*NEW_VLLM))
+    ids_reader = new.read("vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py")
+    assert 'getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)' in ids_reader  # top level, not eagle_config
+    speculators_reader = new.read("vllm/transformers_utils/configs/speculators/algos.py")
+    assert '"norm_before_residual", True' in speculators_reader  # why the speculators export writes it explicitly
+    sglang = open_source("sglang", wheel(*SGLANG))
+    assert formats.EAGLE3_ARCHITECTURES[0] in sglang_registry(sglang, ModuleIndex([sglang]))
+    loader = sglang.read("sglang/srt/models/llama_eagle3.py")
+    assert '"midlayer": "layers.0"' in loader and "norm_before_residual" not in loader
+    runner = sglang.read("sglang/srt/models/llama.py")
+    assert "[val + 1 for val in layer_ids]" in runner  # SGLang's explicit ids are output-of-layer
