@@ -48,3 +48,60 @@ def test_interrupted_step_resumes_in_place(tmp_path):
     run_steps(make_steps(tmp_path, [1, 2, 3], calls))
     assert calls == ["b", "c"]  # a skipped; b resumed in its own folder (not moved aside)
     assert not (tmp_path / "b.old").exists() and (tmp_path / "b" / "partial").exists()
+
+
+def test_after_names_the_steps_a_key_depends_on(tmp_path):
+    calls: list[str] = []
+
+    def steps(values):
+        go = lambda name: (lambda config: calls.append(name))  # noqa: E731
+        return [Step("a", tmp_path / "a", lambda: Cfg(values[0]), go("a")),
+                Step("b", tmp_path / "b", lambda: Cfg(values[1]), go("b"), after=("a",)),
+                Step("c", tmp_path / "c", lambda: Cfg(values[2]), go("c"), after=("a",))]  # c reads a, not b
+
+    run_steps(steps([1, 2, 3]))
+    calls.clear()
+    run_steps(steps([1, 7, 3]))
+    assert calls == ["b"]  # c does not depend on b
+    calls.clear()
+    run_steps(steps([4, 7, 3]))
+    assert calls == ["a", "b", "c"]
+
+
+def test_changed_input_file_and_missing_output_rerun(tmp_path):
+    calls: list[str] = []
+    data = tmp_path / "data.jsonl"
+    data.write_text("one\n")
+
+    def produce(config):
+        calls.append("a")
+        (tmp_path / "a" / "out.txt").write_text("result")
+
+    steps = lambda: [Step("a", tmp_path / "a", lambda: Cfg(1), produce, inputs=(data,), outputs=("out.txt",))]  # noqa: E731
+    run_steps(steps())
+    run_steps(steps())
+    assert calls == ["a"]
+    data.write_text("two\n")  # same options, other data: the key changes
+    run_steps(steps())
+    assert calls == ["a", "a"] and (tmp_path / "a.old" / "out.txt").exists()
+    (tmp_path / "a" / "out.txt").unlink()  # a finished step whose output was deleted runs again, in place
+    records = run_steps(steps())
+    assert calls == ["a", "a", "a"] and records[0].status == "ran" and (tmp_path / "a" / "out.txt").exists()
+
+
+def test_fingerprint_hashes_small_files_by_content_and_large_ones_by_size(tmp_path, monkeypatch):
+    from eaglekit import pipeline
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "weights.bin").write_bytes(b"a" * 64)
+    monkeypatch.setattr(pipeline, "HASH_LIMIT", 16)
+    before = pipeline.fingerprint([folder])
+    (folder / "weights.bin").write_bytes(b"b" * 64)  # same size, large: not re-hashed
+    assert pipeline.fingerprint([folder]) == before
+    (folder / "config.json").write_text("{ }")
+    changed = pipeline.fingerprint([folder])
+    assert changed != before
+    (folder / ".run-key").write_text("x")  # hidden files are ignored
+    assert pipeline.fingerprint([folder]) == changed

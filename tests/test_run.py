@@ -142,3 +142,14 @@ def test_data_shorthands_and_package_paths():
     assert Path(resolve_data_path("assets/tiny_prompts_eval.jsonl")) == shipped.parent / "tiny_prompts_eval.jsonl"
     with pytest.raises(EaglekitError, match="data=tiny"):
         resolve_data_path("no/such/file.jsonl")
+
+
+def test_a_stage_launched_under_torchrun_reads_its_resolved_config(chat_target, prompts, tmp_path):
+    """The torchrun path writes the stage's resolved config and runs `-m eaglekit <stage> --config` on it."""
+    config = tiny_run(chat_target, prompts, tmp_path / "run", stages=["vocab"])
+    step = plan(config)[0]
+    stage_config = step.make_config()
+    step.directory.mkdir(parents=True)
+    manifest = run_stage.torchrun("vocab", stage_config, 1, step.directory)
+    assert manifest["stage"] == "vocab" and manifest["config"] == dataclasses.asdict(stage_config) | {"data": [prompts]}
+    assert (step.directory / "launch.yaml").is_file() and (step.directory / "vocab.safetensors").is_file()

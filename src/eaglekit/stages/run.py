@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -54,6 +56,8 @@ class Config:
                            choices=("offline", "online"))
     export_formats: tuple[str, ...] = option(EXPORT_FORMATS, "checkpoint layouts to export (vllm, sglang, speculators)")
     doctor_engines: tuple[str, ...] = option(ENGINES, "engines the doctor checks the target against (vllm, sglang)")
+    extract_processes: int = option(1, "> 1: run extract under torchrun with this many processes (one GPU each, data-parallel)")
+    train_processes: int = option(1, "> 1: run train under torchrun with this many processes (DDP, or FSDP2 with train.distributed=fsdp)")
     regen: _regen.Config = option(_regen.Config(), "regen options (section)")
     extract: _extract.Config = option(_extract.Config(), "extract options (section)")
     vocab: _vocab.Config = option(_vocab.Config(), "vocab options (section)")
@@ -103,6 +107,10 @@ def _check(config: Config) -> tuple[str, ...]:
     if ("bench" in stages or "export" in stages) and "train" not in stages:
         raise EaglekitError("bench and export use the drafter that train writes: keep train in stages "
                             "(a finished train stage is skipped on re-run, not trained again)")
+    if config.extract_processes < 1 or config.train_processes < 1:
+        raise EaglekitError("extract_processes and train_processes must be >= 1")
+    if config.extract_processes > 1 and config.extract.device_map:
+        raise EaglekitError("extract.device_map spreads one target over the GPUs of one process: use it with extract_processes=1")
     for name, chosen, valid in (("export_formats", config.export_formats, EXPORT_FORMATS), ("doctor_engines", config.doctor_engines, ENGINES)):
         if any(v not in valid for v in chosen):
             raise EaglekitError(f"{name}={','.join(chosen)}: choose from {', '.join(valid)}")
@@ -131,9 +139,30 @@ def stage_config(config: Config, name: str, **wired: Any) -> Any:
 
 # ---- the plan -------------------------------------------------------------------------------------
 
-def _execute(name: str) -> Callable[[Any], Any]:
-    """Looks the stage up when it runs (so a test can replace a stage's `run`)."""
+def _execute(name: str, processes: int = 1, directory: Path | None = None) -> Callable[[Any], Any]:
+    """Runs the stage in this process (looked up when it runs, so a test can replace its `run`), or under torchrun."""
+    if processes > 1:
+        assert directory is not None
+        return lambda stage_config: torchrun(name, stage_config, processes, directory)
     return lambda stage_config: load_stage(name).run(stage_config)
+
+
+def torchrun_command(name: str, config_file: Path, processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+            "-m", "eaglekit", name, "--config", str(config_file)]
+
+
+def torchrun(name: str, stage_config: Any, processes: int, directory: Path) -> dict[str, Any] | None:
+    """Run a stage as `torchrun --nproc-per-node N -m eaglekit <stage> --config <its resolved config>`."""
+    from eaglekit.manifest import read_manifest
+
+    command = torchrun_command(name, save_resolved(stage_config, directory, name="launch.yaml"), processes)
+    log.info("%s: %s", name, " ".join(command))
+    completed = subprocess.run(command, check=False)  # Ctrl-C reaches the workers too: they share our process group
+    if completed.returncode != 0:
+        raise EaglekitError(f"{name} under torchrun exited with {completed.returncode} (see its log above); "
+                            "fix the cause and re-run the same command: finished stages are kept, this one resumes")
+    return read_manifest(directory)
 
 
 def _inherit(section: Any, default: Any, key: str, value: Any) -> Any:
@@ -159,7 +188,8 @@ def plan(config: Config) -> list[Step]:
     online = config.training == "online"
     if "extract" in stages:
         extract = stage_config(config, "extract", data=conversations, output=str(out / "extract"), target=config.target)
-        steps.append(Step("extract", out / "extract", lambda: extract, _execute("extract"), source, inputs, ("manifest.json",)))
+        steps.append(Step("extract", out / "extract", lambda: extract, _execute("extract", config.extract_processes, out / "extract"),
+                          source, inputs, ("manifest.json",)))
     if "vocab" in stages:
         length_from = config.train if online else config.extract
         vocab = stage_config(config, "vocab", data=conversations, output=str(out / "vocab"), target=config.target)
@@ -170,7 +200,8 @@ def plan(config: Config) -> list[Step]:
         train = stage_config(config, "train", target=config.target, output=str(out / "train"), resume=True, vocab=vocab_file,
                              shards="" if online else str(out / "extract"), data=conversations if online else ())
         after = (*(source if online else ("extract",)), *(("vocab",) if "vocab" in stages else ()))
-        steps.append(Step("train", out / "train", lambda: train, _execute("train"), after, inputs, ("manifest.json", "model.safetensors")))
+        steps.append(Step("train", out / "train", lambda: train, _execute("train", config.train_processes, out / "train"),
+                          after, inputs, ("manifest.json", "model.safetensors")))
     steps += _later_steps(config, stages, out, data, target)
     return steps
 
@@ -180,6 +211,9 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
     drafter = str(out / "train")
     if "bench" in stages:
         prompts = resolve_data_path(config.bench.prompts) if config.bench.prompts else data[0]
+        if not config.bench.prompts:
+            log.warning("bench: no bench.prompts given, measuring on the training prompts %s (acceptance reads high); "
+                        "set bench.prompts to prompts the drafter never saw", prompts)
         bench = stage_config(config, "bench", target=config.target, drafter=drafter, output=str(out / "bench"))
         bench = dataclasses.replace(bench, prompts=prompts)
         steps.append(Step("bench", out / "bench", lambda: bench, _execute("bench"), ("train",), (*target, prompts), ("bench.json",)))
