@@ -1,0 +1,117 @@
+"""The run report on synthetic stage outputs: every section present, numbers copied exactly, speed-up
+computed against plain decoding, exact engine launch commands, and stages that were not run said so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eaglekit.report import bench_table, launch_commands, read_metrics, write_report
+
+
+def dump(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def manifest(directory: Path, stage: str, **data) -> None:
+    dump(directory / "manifest.json", {"stage": stage, **data})
+
+
+def synthetic_run(out: Path, target: str) -> None:
+    steps = [{"stage": s, "status": "ran", "seconds": 1.5, "key": "k", "directory": str(out / s)} for s in ("regen", "extract", "train")]
+    dump(out / "run.json", {"config": {"target": target, "data": ["p.jsonl"], "training": "offline", "trust_remote_code": False,
+                                       "export_formats": ["vllm", "sglang"]}, "steps": steps})
+    manifest(out / "regen", "regen")
+    dump(out / "regen" / "stats.json", {"records": 12, "finished": 11, "completion_tokens": 345, "answers": 11, "seconds": 9.25})
+    (out / "extract").mkdir(parents=True)
+    save_file({"loss_mask": torch.tensor([1, 1, 0, 0, 1, 0, 0, 0], dtype=torch.uint8)}, str(out / "extract" / "shard-r0-00000.safetensors"))
+    manifest(out / "extract", "extract", num_records=11, num_tokens=8, stats={"truncated": 2},
+             shards=[{"file": "shard-r0-00000.safetensors", "records": ["a"], "num_tokens": 8}])
+    manifest(out / "vocab", "vocab", draft_vocab_size=1024, vocab_size=4096, coverage=0.98765, tokens_counted=3, distinct_tokens=77,
+             mapping="built from counts")
+    val = {"loss": 1.2345, "loss_k": [0.5, 0.6], "acc_k": [0.812, 0.654], "tau": 2.47, "step": 40, "split": "val"}
+    manifest(out / "train", "train", mode="offline", steps=40, epochs=2, train_records=10, val_records=1, val=val)
+    lines = [{"split": "train", "step": 10, "loss": 3.0, "acc_k": [0.1, 0.05]},
+             {"split": "train", "step": 10, "loss": 2.5, "acc_k": [0.2, 0.1]},  # the same step again after a resume
+             {"split": "train", "step": 20, "loss": 2.0, "acc_k": [0.4, 0.3]}, val]
+    (out / "train" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"split": "tra')
+    rows = [{"method": "plain", "temperature": 0.0, "tokens_per_second": 10.0, "ms_per_token": 100.0},
+            {"method": "chain", "temperature": 0.0, "tokens_per_second": 25.0, "ms_per_token": 40.0, "tau": 3.21,
+             "acceptance_per_position": [0.9, 0.7, 0.5]},
+            {"method": "tree", "temperature": 0.0, "tokens_per_second": 20.0, "ms_per_token": 50.0, "tau": 3.9,
+             "acceptance_per_position": [0.95, 0.8, 0.6, 0.4]},
+            {"method": "plain", "temperature": 1.0, "tokens_per_second": 8.0, "ms_per_token": 125.0},
+            {"method": "chain", "temperature": 1.0, "tokens_per_second": 12.0, "ms_per_token": 83.3, "tau": 2.0,
+             "acceptance_per_position": [0.6, 0.3, 0.1]}]
+    manifest(out / "bench", "bench")
+    dump(out / "bench" / "bench.json", {"rows": rows, "backend": "static", "num_prompts": 5,
+                                        "config": {"prompts": "eval.jsonl", "max_new_tokens": 64, "repeats": 3, "device": "cpu"}})
+    for fmt, ids in (("vllm", [2, 16, 29]), ("sglang", [1, 15, 28])):
+        manifest(out / "export" / fmt, "export", summary={"config_aux_layer_ids": ids, "max_logit_difference": 1.5e-6})
+    dump(out / "doctor" / "vllm" / "doctor.json", {"engine": "vllm", "engine_version": "0.11.0", "verdict": "supported",
+                                                   "reasons": ["LlamaForCausalLM implements SupportsEagle3"], "fix": []})
+    dump(out / "doctor" / "sglang" / "doctor.json", {"engine": "sglang", "engine_version": None, "verdict": "unknown",
+                                                     "reasons": ["sglang is not installed in this environment"], "fix": []})
+
+
+def test_report_sections_and_numbers(tmp_path):
+    out = tmp_path / "run"
+    target = str(tmp_path / "target")
+    Path(target).mkdir()
+    synthetic_run(out, target)
+    report = write_report(out)
+    text = report.path.read_text()
+    for heading in ("# eaglekit run report", "## Data", "## Training", "## Decoding", "## Export", "## Serving engines (doctor)"):
+        assert heading in text
+    assert "- regen: 11 of 12 records answered by the target (345 new tokens in 11 answers, 9.2 s this run)" in text
+    assert "- records: 11; tokens: 8; loss-masked (assistant) tokens: 3 (37.5%); truncated records: 2" in text
+    assert "draft vocabulary: 1024 of 4096 ids (built from counts); coverage 98.77% of 3 loss-masked tokens" in text
+    assert "Validation at step 40: loss 1.2345, estimated tau 2.47." in text
+    assert "| accuracy | 0.812 | 0.654 |" in text and "| loss | 0.500 | 0.600 |" in text
+    assert "| chain | 0 | 25.0 | 40.00 | 2.50x vs plain | 3.21 | 0.90 0.70 0.50 |" in text
+    assert "| tree | 0 | 20.0 | 50.00 | 2.00x vs plain | 3.90 | 0.95 0.80 0.60 0.40 |" in text
+    assert "| chain | 1 | 12.0 | 83.30 | 1.50x vs plain | 2.00 |" in text
+    vllm, sglang = (str((out / "export" / f).resolve()) for f in ("vllm", "sglang"))
+    assert (f"vllm serve {target} --speculative-config "
+            f"'{{\"method\": \"eagle3\", \"model\": \"{vllm}\", \"num_speculative_tokens\": 3}}'") in text
+    assert (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+            f"{sglang} --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in text
+    assert text.index("**vllm**") < text.index("**sglang**")  # in the run's export order
+    assert "| vllm | 0.11.0 | **supported** | LlamaForCausalLM implements SupportsEagle3 | - |" in text
+    assert "| sglang | n/a | **unknown** | sglang is not installed in this environment | - |" in text
+    # headline: the fastest EAGLE-3 method at the lowest temperature
+    assert report.headline["method"] == "chain" and report.headline["tau"] == 3.21 and report.headline["speedup"] == 2.5
+    assert report.headline["val_accuracy"] == 0.812
+    assert "**Headline:** tau 3.21 (chain, T=0), speed-up 2.50x vs plain; val accuracy (first draft position) 0.812." in text
+    assert [p.name for p in report.plots] == ["report-training.png", "report-acceptance.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.plots)
+
+
+def test_metrics_keep_the_last_line_per_step_and_skip_a_cut_line(tmp_path):
+    synthetic_run(tmp_path / "run", "t")
+    metrics = read_metrics(tmp_path / "run" / "train" / "metrics.jsonl")
+    assert [m["loss"] for m in metrics["train"]] == [2.5, 2.0] and [m["step"] for m in metrics["val"]] == [40]
+
+
+def test_report_of_a_run_with_nothing_finished(tmp_path):
+    dump(tmp_path / "run.json", {"config": {"target": "tiny", "data": ["x"]}, "steps": []})
+    report = write_report(tmp_path)
+    text = report.path.read_text()
+    assert "Not run (regen, extract and vocab left out or not finished)." in text
+    assert "## Training\n\nNot run or not finished" in text and "## Decoding\n\nNot run or not finished" in text
+    assert "## Export\n\nNot run" in text and "## Serving engines (doctor)\n\nNot run" in text
+    assert "no headline numbers" in text and report.plots == [] and report.headline == {}
+
+
+def test_speedup_falls_back_to_hf_generate_and_launch_commands():
+    rows = bench_table([{"method": "hf", "temperature": 0.0, "tokens_per_second": 4.0},
+                        {"method": "tree", "temperature": 0.0, "tokens_per_second": 10.0, "tau": 3.0}])
+    assert rows[1]["speedup"] == 2.5 and rows[1]["baseline"] == "hf"
+    assert launch_commands("org/model", "/d r", "speculators") == [
+        "vllm serve '/d r'",
+        "vllm serve org/model --speculative-config '{\"method\": \"eagle3\", \"model\": \"/d r\", \"num_speculative_tokens\": 3}'"]
+    assert "--trust-remote-code" in launch_commands("org/model", "/d", "sglang", trust_remote_code=True)[0]
