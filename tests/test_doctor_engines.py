@@ -245,3 +245,13 @@ def test_installed_plugin_entry_point_is_detected(tmp_path, monkeypatch):
     assert report["verdict"] == "supported"
     assert report["registry"]["registered_by"] == package.name
     assert package.name not in __import__("sys").modules  # read, never imported
+
+
+def test_fix_on_supported_or_unfixable_targets(tmp_path, capsys):
+    args = ["--engine_source", str(VLLM_TREE), "--fix", "--fix_output", str(tmp_path / "p"), "installed_plugins=false"]
+    assert main(["doctor", "--engine", "vllm", "--target", target_config(tmp_path, "ToyForCausalLM"), *args]) == 0
+    assert "nothing to fix" in capsys.readouterr().out
+    assert main(["doctor", "--engine", "vllm", "--target", target_config(tmp_path, "PlainVLForConditionalGeneration"), *args]) == 1
+    captured = capsys.readouterr()
+    assert "verdict: NOT SUPPORTED" in captured.out and "cannot fix" in captured.err
+    assert not (tmp_path / "p").exists()

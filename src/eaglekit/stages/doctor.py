@@ -60,14 +60,20 @@ def run(config: Config) -> dict[str, Any]:
     from eaglekit.interop.engine_doctor import diagnose, format_report
 
     report = diagnose(config.engine, config.target, config.engine_source, config.plugins, config.installed_plugins)
-    if config.fix:
+    fix_error = None
+    if config.fix and report["verdict"] != "supported":
         from eaglekit.interop.plugin import write_vllm_plugin
 
-        path = write_vllm_plugin(report, config.fix_output)
-        report["plugin_written"] = str(path)
-        log.info("wrote plugin %s", path)
+        try:
+            report["plugin_written"] = str(write_vllm_plugin(report, config.fix_output))
+        except EaglekitError as error:  # print the report that explains why first
+            fix_error = error
     print(json.dumps(report, indent=2, default=str) if config.json else format_report(report))
-    if config.fix:
+    if fix_error is not None:
+        raise fix_error
+    if config.fix and report["verdict"] == "supported":
+        print("\n--fix: nothing to fix, the engine already supports EAGLE-3 for this target")
+    elif config.fix:
         print(f"\nplugin written to {report['plugin_written']}: `pip install {report['plugin_written']}` in vLLM's "
               f"environment, then check with: eaglekit doctor --engine vllm --target {config.target} "
               f"--plugins {config.fix_output}")
