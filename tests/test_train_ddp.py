@@ -1,5 +1,5 @@
-"""Multi-process training: `torchrun` with 2 CPU processes (gloo, DDP) gives the same losses and weights as
-one process on the same global batches."""
+"""Multi-process training: `torchrun` with 2 CPU processes (gloo; DDP and FSDP2) gives the same losses and
+weights as one process on the same global batches."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def run_cli(args: list[str], processes: int, cwd) -> None:
 
 
 def test_two_gloo_processes_match_one(chat_target, tmp_path):
+    """DDP and FSDP2 (`distributed=fsdp`, uneven validation shares included) against one process."""
     rng = random.Random(1)
     data = tmp_path / "chat.jsonl"
     with open(data, "w") as handle:
@@ -36,11 +37,14 @@ def test_two_gloo_processes_match_one(chat_target, tmp_path):
     common = [f"target={chat_target}", f"data={data}", "ttt_steps=2", "draft_vocab_size=64", "val_fraction=0.2", "epochs=1",
               "lr=1e-3", "warmup_steps=0", "log_every=1", "device=cpu", "save_every=0"]
     run_cli([*common, f"output={tmp_path / 'one'}", "batch_size=4"], 1, tmp_path)
-    run_cli([*common, f"output={tmp_path / 'two'}", "batch_size=2"], 2, tmp_path)  # global batch 2 x 2 = 4
-    lines = {name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("one", "two")}
-    assert [m["split"] for m in lines["one"]] == [m["split"] for m in lines["two"]] == ["train", "train", "val"]
-    for a, b in zip(lines["one"], lines["two"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["acc_k"] == pytest.approx(b["acc_k"])
-    one, two = load_file(str(tmp_path / "one/model.safetensors")), load_file(str(tmp_path / "two/model.safetensors"))
-    for key in one:
-        assert torch.allclose(one[key].float(), two[key].float(), rtol=1e-4, atol=1e-6), key
+    run_cli([*common, f"output={tmp_path / 'ddp'}", "batch_size=2"], 2, tmp_path)  # global batch 2 x 2 = 4
+    run_cli([*common, f"output={tmp_path / 'fsdp'}", "batch_size=2", "distributed=fsdp", "val_fraction=0.3"], 2, tmp_path)
+    run_cli([*common, f"output={tmp_path / 'one3'}", "batch_size=4", "val_fraction=0.3"], 1, tmp_path)  # 3 val records: 2 + 1
+    for single, multi in (("one", "ddp"), ("one3", "fsdp")):
+        lines = {name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in (single, multi)}
+        assert [m["split"] for m in lines[single]] == [m["split"] for m in lines[multi]] == ["train", "train", "val"][-len(lines[single]):]
+        for a, b in zip(lines[single], lines[multi]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["acc_k"] == pytest.approx(b["acc_k"])
+        one, two = load_file(str(tmp_path / single / "model.safetensors")), load_file(str(tmp_path / multi / "model.safetensors"))
+        for key in one:
+            assert torch.allclose(one[key].float(), two[key].float(), rtol=1e-4, atol=1e-6), (multi, key)

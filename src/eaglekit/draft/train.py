@@ -252,15 +252,16 @@ class Trainer:
         order = sorted(self.val_idx, key=lambda i: -self.source.lengths[i])
         sums = torch.zeros(4, self.config.ttt_steps, device=self.d.device)
         for start in range(0, len(order), size):
-            mine = order[start : start + size][self.d.rank :: self.d.world]
-            if not mine:
-                continue
+            chunk = order[start : start + size]
+            mine, weight = chunk[self.d.rank :: self.d.world], 1.0
+            if not mine:  # every rank runs the same forwards (FSDP gathers weights collectively): a dummy, weighted 0
+                mine, weight = chunk[:1], 0.0
             batch = self.source.batch(mine, self.d.device, self.amp or torch.float32)
             ones = torch.ones(self.config.ttt_steps, device=self.d.device)
             with _autocast(self.d.device, self.amp):
                 _, loss_sums, correct, train_counts, acc_counts = self.module(
                     batch.aux, batch.input_ids, batch.loss_mask, batch.probs, batch.in_vocab, ones)
-            sums += torch.stack([loss_sums.float(), correct, train_counts, acc_counts])
+            sums += weight * torch.stack([loss_sums.float(), correct, train_counts, acc_counts])
         self.module.train()
         metrics = summarize(all_reduce(sums, self.d), self.config.step_decay)
         metrics.update(step=self.position.step, epoch=self.position.epoch, split="val")
