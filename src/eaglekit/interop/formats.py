@@ -127,7 +127,7 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
               "target_num_layers": config.target_num_layers, "target_name_or_path": config.target_name_or_path,
               "target_architecture": config.target_architecture}
     if fmt == "speculators":
-        verifier = {"name_or_path": config.target_name_or_path or None,
+        verifier = {"name_or_path": _verifier_path(config.target_name_or_path),
                     "architectures": [config.target_architecture] if config.target_architecture else []}
         return {
             "architectures": [SPECULATORS_ARCHITECTURE],
@@ -155,6 +155,15 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
         data["eagle_aux_hidden_state_layer_ids"] = engine_ids
     data[MARKER] = marker
     return data
+
+
+def _verifier_path(name: str) -> str | None:
+    """The target as speculators must find it: eaglekit's 'tiny' alias becomes its directory."""
+    if not name:
+        return None
+    from eaglekit.target.loading import TINY_TARGET, tiny_target_path
+
+    return str(tiny_target_path()) if name == TINY_TARGET else name
 
 
 def check_exportable(config: DrafterConfig, fmt: str) -> None:
