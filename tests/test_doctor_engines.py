@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import json
 import shutil
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from eaglekit.cli import main
 from eaglekit.errors import EaglekitError
 from eaglekit.interop.engine_doctor import diagnose, format_report
-from eaglekit.interop.plugin import write_vllm_plugin
+from eaglekit.interop.plugin import plugin_entry_points, write_vllm_plugin
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engines"
 VLLM_TREE = FIXTURES / "vllm_tree"
@@ -69,8 +68,7 @@ def test_vllm_wrapper_that_does_not_delegate_then_plugin_fixes_it(tmp_path):
     assert "vllm/model_executor/models/toy_vl.py" in report["fix"][0] and "ToyVLForConditionalGeneration" in report["fix"][0]
 
     plugin = write_vllm_plugin(report, tmp_path / "plugins")
-    project = tomllib.loads((plugin / "pyproject.toml").read_text())
-    entry = project["project"]["entry-points"]["vllm.general_plugins"]
+    entry = plugin_entry_points((plugin / "pyproject.toml").read_text())
     assert list(entry.values()) == ["eaglekit_eagle3_toyvlforconditionalgeneration:register"]
     for path in plugin.rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
@@ -255,3 +253,22 @@ def test_fix_on_supported_or_unfixable_targets(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "verdict: NOT SUPPORTED" in captured.out and "cannot fix" in captured.err
     assert not (tmp_path / "p").exists()
+
+
+def test_entry_points_read_without_tomllib(tmp_path, monkeypatch):
+    """Python 3.10 has no tomllib: the plugin's entry points are still read."""
+    import builtins
+
+    plugin = write_vllm_plugin(vllm(target_config(tmp_path, "ToyVLForConditionalGeneration")), tmp_path / "plugins")
+    text = (plugin / "pyproject.toml").read_text()
+    expected = plugin_entry_points(text)
+    real_import = builtins.__import__
+
+    def no_tomllib(name, *args, **kwargs):
+        if name == "tomllib":
+            raise ImportError("no tomllib")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tomllib)
+    assert plugin_entry_points(text) == expected == {
+        "eaglekit_eagle3_toyvlforconditionalgeneration": "eaglekit_eagle3_toyvlforconditionalgeneration:register"}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -155,9 +154,25 @@ def _module_file(roots: list[Path], module: str) -> tuple[Path, Path] | None:
     return None
 
 
+def plugin_entry_points(pyproject: str) -> dict[str, str]:
+    """name -> "module:function" of the `vllm.general_plugins` entry points declared in pyproject.toml text."""
+    try:
+        import tomllib  # Python >= 3.11
+    except ImportError:  # Python 3.10: read the one table we need line by line
+        entries, inside = {}, False
+        for line in pyproject.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("["):
+                inside = stripped.replace("'", '"') == f'[project.entry-points."{GROUP}"]'
+            elif inside and "=" in stripped and not stripped.startswith("#"):
+                name, value = (part.strip().strip('"').strip("'") for part in stripped.split("=", 1))
+                entries[name] = value
+        return entries
+    return tomllib.loads(pyproject).get("project", {}).get("entry-points", {}).get(GROUP, {})
+
+
 def _scan_project(project: Path) -> tuple[list[dict[str, Any]], list[EngineSource]]:
-    data = tomllib.loads((project / "pyproject.toml").read_text())
-    entry_points = data.get("project", {}).get("entry-points", {}).get(GROUP, {})
+    entry_points = plugin_entry_points((project / "pyproject.toml").read_text())
     registrations, sources = [], []
     for name, value in entry_points.items():
         module, _, function = value.partition(":")
