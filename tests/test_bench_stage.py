@@ -52,12 +52,12 @@ def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
     out = tmp_path / "bench"
     config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"drafter={drafter_dir}",
                                                   f"output={out}", "methods=plain,hf,hf_assisted,hf_prompt_lookup,chain,tree",
+                                                  f"assistant={chat_target}",
                                                   "temperatures=0.0,1.0", "max_new_tokens=5", "repeats=1", "warmup=1",
                                                   "device=cpu", "depth=3", "tree_top_k=3", "total_tokens=8"])
     result = bench.run(config)
     methods = [(r["method"], r["temperature"]) for r in result["rows"]]
-    assert ("hf_assisted", 0.0) not in methods  # no assistant given: skipped
-    assert len(methods) == 10
+    assert len(methods) == 12 and ("hf_assisted", 1.0) in methods
     saved = json.loads((out / "bench.json").read_text())
     tree = next(r for r in saved["rows"] if r["method"] == "tree" and r["temperature"] == 0.0)
     assert tree["tau"] >= 1.0 and len(tree["acceptance_per_position"]) == 3
@@ -66,7 +66,11 @@ def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
     assert (out / "manifest.json").is_file() and "| tree | 0 |" in (out / "bench.md").read_text()
 
 
-def test_bench_rejects_unknown_method(tmp_path):
+def test_bench_checks_methods():
     config = load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", "methods=plain,beam"])
     with pytest.raises(EaglekitError, match="unknown bench methods"):
         bench.run(config)
+    no_assistant = load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", "methods=plain,hf_assisted"])
+    assert bench._check(no_assistant) == ["plain"]  # HF assisted generation needs assistant=: skipped
+    with pytest.raises(EaglekitError, match="need drafter=DIR"):
+        bench.run(load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", "methods=tree"]))

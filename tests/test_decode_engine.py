@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_models import OracleDrafter, random_drafter, tiny_target
+from test_decode_models import OracleDrafter, random_drafter, tiny_target
 from eaglekit.decode import Decoder, generate
 from eaglekit.errors import EaglekitError
 

@@ -1,4 +1,4 @@
-"""Tiny target and drafter builders shared by the decode tests (not a test module)."""
+"""Tiny target and drafter builders shared by the decode tests (holds no tests itself)."""
 
 from __future__ import annotations
 

@@ -136,10 +136,9 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
     return tree
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, options: DecodeOptions, generator) -> Verdict:
-    """logits (N, V) of the target after each node -> accepted path and bonus token."""
+def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, options: DecodeOptions, generator) -> Verdict:
+    """logits (N, V) of the target after each node, ancestors (N, N) -> accepted path and bonus token."""
     if options.temperature <= 0:
-        ancestors = ancestor_matrix(tree.parents, options.draft_depth)
         return verify_greedy(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
     probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
     return verify_sampling(tree.tokens, tree.parents, probs, tree.draft_probs, generator)
@@ -205,9 +204,10 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
                                                       torch.arange(n, device=device))
         while not done:
             tree = draft(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options, vocab_size, generator)
-            logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestor_matrix(tree.parents, options.draft_depth))
+            ancestors = ancestor_matrix(tree.parents, options.draft_depth)  # (N, N) = the tree attention mask
+            logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestors)
             stats.target_forwards += 1
-            verdict = verify(tree, logits, options, generator)
+            verdict = verify(tree, ancestors, logits, options, generator)
             stats.accepted.append(verdict.num_accepted)
             target_backend.keep(verdict.path)
             done = out.add(verdict.tokens + [verdict.bonus])
