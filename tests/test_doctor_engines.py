@@ -131,6 +131,9 @@ def _new_style_tree(tmp_path: Path) -> Path:
 class NewVLForConditionalGeneration(ToyVLForConditionalGeneration, SupportsEagle3):
     """Inherits the protocol's default methods, which reach self.language_model."""
 ''')
+    (tree / "vllm/v1/worker").mkdir(parents=True)
+    (tree / "vllm/v1/worker/eagle3_utils.py").write_text(
+        "def aux_layers(hf_config):\n    return getattr(hf_config, 'eagle_aux_hidden_state_layer_ids', None)\n")
     registry = tree / "vllm/model_executor/models/registry.py"
     registry.write_text(registry.read_text().replace(
         '_MULTIMODAL_MODELS = {', '_MULTIMODAL_MODELS = {\n    "NewVLForConditionalGeneration": ("toy_vl", "NewVLForConditionalGeneration"),'))
@@ -145,6 +148,9 @@ def test_vllm_new_style_protocol_defaults(tmp_path):
     assert report["interface"]["methods"]["get_eagle3_default_aux_hidden_state_layers"]["status"] == "protocol default"
     assert report["allow_list"] is None
     assert report["default_aux_layers"]["input_of_layer_ids"] == [2, 4, 5]
+    assert report["explicit_aux_ids_read_by"] == ["vllm/v1/worker/eagle3_utils.py"]
+    assert vllm("ToyForCausalLM")["explicit_aux_ids_read_by"] == []  # the old tree always uses the defaults
+    assert "IGNORED" in format_report(vllm("ToyForCausalLM"))
 
 
 def test_wheel_and_directory_sources_agree(tmp_path):

@@ -56,6 +56,7 @@ def test_old_vllm_llama_supported_with_allow_list(tmp_path):
     assert report["allow_list"]["file"] == "vllm/config/speculative.py" and report["allow_list"]["passes"] is True
     assert report["decoder"]["class"] == "LlamaModel"
     assert report["default_aux_layers"]["input_of_layer_ids"] == [2, 16, 29]
+    assert report["explicit_aux_ids_read_by"] == []  # 0.11 always asks the target for its default layers
 
 
 def test_old_vllm_rejects_model_type_outside_allow_list(tmp_path):
@@ -82,6 +83,7 @@ def test_new_vllm_llama_and_multimodal_wrappers(tmp_path):
     source = wheel(*NEW_VLLM)
     llama = diagnose("vllm", config(tmp_path, "LlamaForCausalLM", "llama", 32), source, installed_plugins=False)
     assert llama["verdict"] == "supported" and llama["allow_list"] is None
+    assert "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py" in llama["explicit_aux_ids_read_by"]
     assert llama["interface"]["getter"] == "get_eagle3_default_aux_hidden_state_layers"  # the post-2026-03 name
     kimi = diagnose("vllm", "KimiK25ForConditionalGeneration", source, installed_plugins=False)
     assert kimi["verdict"] == "supported", format_report(kimi)

@@ -189,3 +189,9 @@ def test_cli_export_and_import(tmp_path, drafter_dir):
     assert main(["import", str(tmp_path / "sg"), f"output={tmp_path / 'back'}"]) == 0
     assert Eagle3Drafter.from_pretrained(tmp_path / "back").config.aux_layer_ids == (2, 4, 5)
     assert main(["export", str(drafter_dir), "--to", "tensorrt"]) == 1  # not a choice: one-line error
+
+
+def test_export_warns_when_ids_are_not_the_engine_default(tmp_path):
+    assert export_drafter(make_drafter(), tmp_path / "a", "vllm")["warnings"] == []
+    summary = export_drafter(make_drafter(aux_layer_ids=(1, 4, 6)), tmp_path / "b", "vllm")
+    assert len(summary["warnings"]) == 1 and "[2, 4, 5]" in summary["warnings"][0]

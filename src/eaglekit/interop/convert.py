@@ -97,7 +97,12 @@ def export_drafter(drafter: Eagle3Drafter, output: str | Path, fmt: str, dtype: 
             with atomic_path(output / name) as tmp:
                 shutil.move(str(staging / name), tmp)
     input_ids = list(to_input(config))
-    return {"format": fmt, "output": str(output), "tensors": sorted(state), "config_aux_layer_ids": _written_ids(data),
+    warnings = []
+    if config.target_num_layers and tuple(input_ids) != default_aux_layers(config.target_num_layers):
+        warnings.append(f"aux layers {input_ids} are not the engine default {list(default_aux_layers(config.target_num_layers))}: "
+                        "engine releases that ignore the drafter's explicit ids (vLLM 0.11, see `eaglekit doctor`) will feed it other layers")
+        log.warning(warnings[-1])
+    return {"warnings": warnings, "format": fmt, "output": str(output), "tensors": sorted(state), "config_aux_layer_ids": _written_ids(data),
             "aux_layer_ids_input_of_layer": input_ids, "max_logit_difference": difference,
             "dtype": DTYPE_NAMES[dtype], "embedding_included": "embed_tokens.weight" in state}
 

@@ -283,7 +283,23 @@ def diagnose(engine: str, target: str, engine_source: str = "", plugins: tuple[s
     else:
         report = check_sglang(ModuleIndex([source]), source, parsed)
     _convert_defaults(report)
+    report["explicit_aux_ids_read_by"] = explicit_id_readers(engine, source)
     return report
+
+
+# Where an engine's runtime (not its models) would read a drafter's explicit aux ids.
+RUNTIME_DIRS = {"vllm": ("vllm/v1", "vllm/config", "vllm/spec_decode"), "sglang": ("sglang/srt/model_executor", "sglang/srt/speculative")}
+
+
+def explicit_id_readers(engine: str, source: EngineSource) -> list[str]:
+    """Runtime files that read `eagle_aux_hidden_state_layer_ids` from the drafter config (empty: the engine
+    ignores explicit ids and always uses the target's default layers)."""
+    readers = []
+    for prefix in RUNTIME_DIRS[engine]:
+        for path in source.python_files(prefix):
+            if "eagle_aux_hidden_state_layer_ids" in (source.read(path) or ""):
+                readers.append(path)
+    return readers
 
 
 def _convert_defaults(report: dict[str, Any]) -> None:
@@ -329,5 +345,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"default aux layers: {layers['expression']} at {layers['where']} -> input-of-layer ids "
                      f"{layers.get('input_of_layer_ids') or '(needs the layer count: pass config.json)'}"
                      + (f", engine explicit ids {layers['engine_explicit_ids']}" if layers.get("engine_explicit_ids") else ""))
+    if "explicit_aux_ids_read_by" in report:
+        readers = report["explicit_aux_ids_read_by"]
+        lines.append(f"drafter's explicit aux ids read by: {', '.join(readers)}" if readers else
+                     "drafter's explicit aux ids: IGNORED by this release (it always uses the default layers above; "
+                     "train the drafter on them)")
     lines += [f"why: {r}" for r in report["reasons"]] + [f"fix: {f}" for f in report["fix"]]
     return "\n".join(lines)

@@ -33,6 +33,10 @@ class EngineSource:
         """File names (not paths) directly inside `relative`."""
         raise NotImplementedError
 
+    def python_files(self, prefix: str) -> list[str]:
+        """Every .py path under `prefix` (recursive)."""
+        raise NotImplementedError
+
     def exists(self, relative: str) -> bool:
         return self.read(relative) is not None
 
@@ -61,6 +65,10 @@ class DirectorySource(EngineSource):
         path = self.root / relative
         return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
 
+    def python_files(self, prefix: str) -> list[str]:
+        base = self.root / prefix
+        return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*.py")) if base.is_dir() else []
+
     def location(self, relative: str) -> str:
         return str(self.root / relative)
 
@@ -81,6 +89,10 @@ class WheelSource(EngineSource):
     def list_dir(self, relative: str) -> list[str]:
         prefix = relative.rstrip("/") + "/"
         return sorted({n[len(prefix):].split("/")[0] for n in self.names if n.startswith(prefix) and n != prefix})
+
+    def python_files(self, prefix: str) -> list[str]:
+        prefix = prefix.rstrip("/") + "/"
+        return sorted(n for n in self.names if n.startswith(prefix) and n.endswith(".py"))
 
     def location(self, relative: str) -> str:
         return f"{self.description}!{relative}"
