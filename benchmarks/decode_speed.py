@@ -75,6 +75,30 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
     return 2 * src.numel() / seconds
 
 
+def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: int, compile_: bool, repeats: int) -> dict:
+    """Milliseconds per speculative step (draft + verify + bookkeeping) with a random drafter of the
+    target's width: what a step costs relative to a plain step, i.e. the tau a drafter must beat."""
+    from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+    from eaglekit.target.capture import default_aux_layers
+
+    c = model.config
+    config = DrafterConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                           num_key_value_heads=c.num_key_value_heads, vocab_size=c.vocab_size,
+                           draft_vocab_size=min(32000, c.vocab_size), target_hidden_size=c.hidden_size,
+                           aux_layer_ids=default_aux_layers(c.num_hidden_layers), rope_parameters=dict(c.rope_parameters))
+    drafter = Eagle3Drafter(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    drafter.set_vocab_mapping(torch.arange(config.draft_vocab_size))
+    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
+    out = {}
+    for method, options in (("chain", {"chain_length": 4}), ("tree", {"depth": 6, "tree_top_k": 8, "total_tokens": 48})):
+        def run():
+            return decoder.generate(prompt, new_tokens, method=method, **options)
+        run()  # warm-up / compile
+        steps = [run().stats for _ in range(repeats)]
+        out[method] = statistics.median(1000 * s.decode_seconds / max(len(s.accepted), 1) for s in steps)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (proves the script runs)")
@@ -99,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     fast_seconds = _timed(lambda: decoder.generate(prompt, new_tokens, method="plain"), device, args.repeats)
     prefill = decoder.generate(prompt, new_tokens, method="plain").stats.prefill_seconds
 
+    speculative = speculative_step_cost(model, device, dtype, prompt, new_tokens, compile_, args.repeats)
+
     verify = {}
     target = StaticTarget(model, 256, None, compile=False)
     for n in (1, 2, 4, 8, 16, 32, 48, 64):
@@ -122,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
         "eaglekit_prefill_seconds": prefill,
         "speedup_vs_hf": fast_tps / hf_tps, "fraction_of_bound": fast_tps / bound,
         "goals": {"speedup_vs_hf>=3": fast_tps / hf_tps >= 3, "fraction_of_bound>=0.6": fast_tps / bound >= 0.6},
+        "speculative_step_ms_random_drafter": speculative,
+        "plain_step_ms": 1000 * fast_seconds / new_tokens,
         "verify_ms_by_tokens_eager_static": verify,
         "verify_cost_relative_to_1_token": {n: ms / one for n, ms in verify.items()},
         "environment": environment(),
