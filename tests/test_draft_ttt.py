@@ -24,7 +24,7 @@ def tiny_drafter(seed: int = 0, vocab: int = 40, draft_vocab: int = 24, kv_heads
     torch.manual_seed(seed)
     config = DrafterConfig(
         hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
-        vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=16, aux_layer_ids=(1, 2, 3),
+        vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=16, aux_layer_ids=(1, 2, 3), target_num_layers=8,
     )
     drafter = Eagle3Drafter(config)
     for p in drafter.parameters():
@@ -121,3 +121,35 @@ def test_flex_attention_matches_sdpa() -> None:
     flex = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=3, attention="flex")
     torch.set_grad_enabled(True)
     assert torch.allclose(sdpa.loss_sums, flex.loss_sums, rtol=1e-4)
+
+
+def test_compiled_ttt_module_matches_naive() -> None:
+    """The torch.compile path (`compile=true`; aot_eager here: inductor on CPU takes ~90 s, checked by hand)."""
+    from eaglekit.draft.train import TTTModule
+
+    drafter = tiny_drafter()
+    aux, ids, loss_mask, probs, in_vocab, _ = batch(drafter)
+    compiled = torch.compile(TTTModule(drafter, 3, 0.8, "sdpa"), backend="aot_eager")
+    loss, loss_sums, correct, *_ = compiled(aux, ids, loss_mask, probs, in_vocab, None)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+    reference = naive_ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=3)
+    reference.loss.backward()
+    assert torch.allclose(loss_sums, reference.loss_sums, rtol=1e-5) and torch.equal(correct, reference.correct)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, dict(drafter.named_parameters())[name].grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_init_from_reads_other_formats_through_interop(tmp_path) -> None:
+    """`train init_from=` accepts a vLLM/SGLang/speculators layout via eaglekit.interop (same weights back)."""
+    pytest.importorskip("eaglekit.interop.convert")
+    from eaglekit.draft.build import load_drafter
+    from eaglekit.interop.convert import export_drafter
+
+    drafter = tiny_drafter()
+    export_drafter(drafter, tmp_path / "vllm", "vllm")
+    loaded = load_drafter(str(tmp_path / "vllm"), target_num_layers=8)
+    for name, tensor in drafter.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert torch.equal(loaded.state_dict()[name], tensor), name
