@@ -25,7 +25,8 @@ class SpeculativeEngine:
         self.base = base
         self.max_context = base.max_context
         self.method, self.options = method, options
-        self.decoder = Decoder(base.model, drafter, backend, compile, max_length=base.max_context or 4096)
+        # the static cache spans the whole buffer every step: cap it rather than allocate e.g. 128k slots
+        self.decoder = Decoder(base.model, drafter, backend, compile, max_length=min(base.max_context or 4096, 8192))
         self.total = DecodeStats(max_drafts=options.get("chain_length", 4) if method == "chain" else options.get("depth", 6))
         self.requests = 0
         self._lock = threading.Lock()
