@@ -182,10 +182,11 @@ def ttt_forward(
         hidden, logits, (key, value) = drafter(hidden, ids_k, position_ids(b, t, k, input_ids.device), past, mask)
         keys.append(key)
         values.append(value)
-        probs_k = shift_left(probs, 1 + k, 0.0)
-        loss_sums.append(soft_cross_entropy_sum(logits, probs_k, train[k]))
+        n = max(t - 1 - k, 0)  # positions with a label; views instead of shifted copies of the (B, T, Vd) labels
+        logits_k, probs_k, mask_k = logits[:, :n], probs[:, 1 + k : 1 + k + n], train[k][:, :n]
+        loss_sums.append(soft_cross_entropy_sum(logits_k, probs_k, mask_k))
         with torch.no_grad():
-            correct.append(_correct(logits, probs_k, train[k]))
+            correct.append(_correct(logits_k, probs_k, mask_k))
     return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
 
 
