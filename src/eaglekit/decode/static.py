@@ -21,6 +21,9 @@ from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import find_decoder, text_config
 
 _NEEDED = ("q_proj", "k_proj", "v_proj", "o_proj")
+# model types whose decoder layer is exactly: x + attn(norm(x)); x + mlp(norm(x)), plain embedding, RoPE
+# (Gemma scales embeddings and adds norms, Phi/Olmo differ too: they stay on the eager path)
+STATIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _rotary_tables(rotary: nn.Module, capacity: int, dtype: torch.dtype, device: torch.device):
@@ -45,6 +48,9 @@ class StaticLlama(nn.Module):
         super().__init__()
         stack = find_decoder(model)
         config = text_config(model.config)
+        if config.model_type not in STATIC_MODEL_TYPES:
+            raise EaglekitError(f"the static fast path covers {', '.join(STATIC_MODEL_TYPES)} targets, not "
+                                f"'{config.model_type}'; use backend=eager")
         for layer in stack.layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if attn is None or not all(hasattr(attn, n) for n in _NEEDED) or not hasattr(mlp, "gate_proj"):
