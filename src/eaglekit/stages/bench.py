@@ -1,7 +1,7 @@
 """Benchmark decoding methods on a prompt file: tau, acceptance per position, tokens/s, time per token.
 
-    eaglekit bench --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/train/final \
-        --prompts mtbench.jsonl --output runs/bench --assistant meta-llama/Llama-3.2-1B-Instruct
+    eaglekit bench mtbench.jsonl --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/train/final
+    eaglekit bench mtbench.jsonl target=... drafter=... assistant=meta-llama/Llama-3.2-1B-Instruct output=runs/bench
 
 Methods (`methods=`): plain (eaglekit's own plain decoding, fast path when the target allows), hf
 (`model.generate`), hf_assisted (HF assisted generation with `assistant=`, skipped without one),
