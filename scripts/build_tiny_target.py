@@ -375,7 +375,7 @@ def evaluate(directory: Path, config: BuildConfig, eval_records: list[dict[str, 
     per_record = record_losses(model, tokenizer, eval_records)
     eval_loss = sum(r["loss_sum"] for r in per_record) / sum(r["tokens"] for r in per_record)
     heldout_loss, heldout_tokens = stream_loss(model, token_stream(tokenizer, heldout_documents), config.seq_len)
-    samples = greedy_samples(model, tokenizer, eval_records[:6])
+    samples = greedy_samples(model, tokenizer, eval_records[:: max(1, len(eval_records) // 6)][:6])  # spread over files
     return {
         "eval_loss": round(eval_loss, 4),
         "eval_loss_definition": "mean next-token loss (nats) over the assistant tokens (answer + <|im_end|>) of tiny_prompts_eval.jsonl",

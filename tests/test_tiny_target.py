@@ -3,8 +3,12 @@ is a real language model on held-out stdlib code, and agrees with its committed 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import math
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -100,7 +104,7 @@ def test_greedy_continuation_is_not_a_loop(tiny):
     record = read_jsonl("tiny_prompts_eval.jsonl")[0]
     prompt = tokenizer.apply_chat_template(record["messages"][:1], add_generation_prompt=True, tokenize=False)
     ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-    output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     generated = output[0, ids.shape[1]:].tolist()
     assert len(set(generated)) >= min(8, len(generated) // 2), tokenizer.decode(generated)
 
@@ -120,7 +124,40 @@ def test_prompt_sets_are_heldout_chat_records():
 
 
 def report_files_are_heldout(files: set[str]) -> bool:
-    """The build script's split rule (sha256 bucket of the path, 0 = eval, 1 = prompts) never trains on them."""
-    import hashlib
+    """The build script's split rule never trains on them."""
+    return all(build_script().split_of(f) in ("eval", "prompts") for f in files)
 
-    return all(int(hashlib.sha256(f.encode()).hexdigest()[:8], 16) % 20 in (0, 1) for f in files)
+
+@functools.cache
+def build_script():
+    """The build script as a module (it lives in scripts/, outside the package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "build_tiny_target.py"
+    spec = importlib.util.spec_from_file_location("build_tiny_target", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_build_script_pure_parts(tiny):
+    _, tokenizer = tiny
+    script = build_script()
+    assert script.repeated_ngram_fraction([1, 2, 3, 4, 5, 6], n=4) == 0.0
+    assert script.repeated_ngram_fraction([7] * 10, n=4) == pytest.approx(1 - 1 / 7)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u\nv"}, {"role": "assistant", "content": "a"}]
+    assert script.render(messages) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert script.render(messages[:2], True) == tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False)
+    text = "\n".join(f"line {i}" for i in range(100))
+    pieces = list(script.file_pieces("x.py", text, seed=0))
+    assert "\n".join(p.prompt + "\n" + p.answer for p in pieces) == text  # consecutive, nothing lost
+    assert [p.line for p in pieces] == sorted({p.line for p in pieces})
+
+
+def test_eval_prompts_regenerate_identically_from_this_python(report):
+    if sys.version.split()[0] != report["environment"]["python"] or sysconfig.get_paths()["stdlib"] != report["data"]["stdlib"]:
+        pytest.skip("the prompt sets are a function of the stdlib of the Python that built them")
+    script = build_script()
+    files = [f for f in script.stdlib_files() if script.split_of(f[0]) == "eval"]
+    assert len(files) == report["data"]["files_eval"]
+    records = script.prompt_records(files, report["config"]["num_eval"], report["seed"], "eval")
+    assert records == read_jsonl("tiny_prompts_eval.jsonl")
