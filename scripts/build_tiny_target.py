@@ -85,6 +85,13 @@ class BuildConfig:
     num_prompts: int = option(200, "records in tiny_prompts.jsonl")
     num_eval: int = option(30, "records in tiny_prompts_eval.jsonl")
     dtype: str = option("bfloat16", "dtype of the saved weights", choices=("bfloat16", "float32"))
+    device: str = option("cpu", "training device: cpu, cuda or auto (CUDA trains under bf16 autocast)")
+    compile: bool = option(False, "torch.compile the training step (worth it on a GPU)")
+    corpus: str = option("stdlib", "training text: the stdlib alone, or the stdlib plus installed site-packages",
+                         choices=("stdlib", "stdlib+site-packages"))
+    corpus_mb: float = option(0.0, "cap on the corpus size in MB, files taken in a fixed hashed order (0 = no cap)")
+    name: str = option("tiny_target", "name of the model directory written under output")
+    tokenizer: str = option("", "reuse this model directory's tokenizer instead of training one (a draft LM for a target)")
 
 
 @dataclass(frozen=True)
@@ -103,9 +110,28 @@ def split_of(relative_path: str) -> str:
     return "eval" if bucket == 0 else "prompts" if bucket == 1 else "train"
 
 
-def stdlib_files() -> list[tuple[str, str]]:
-    """(relative path, text) of the standard library's .py files, sorted, tests and data tables left out."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_files(corpus: str = "stdlib", corpus_mb: float = 0.0) -> list[tuple[str, str]]:
+    """(relative path, text) of the standard library's .py files (plus site-packages' with
+    corpus="stdlib+site-packages"), tests and data tables left out; capped at `corpus_mb` in a fixed hashed order."""
+    roots = [Path(sysconfig.get_paths()["stdlib"])]
+    if corpus == "stdlib+site-packages":
+        roots.append(Path(sysconfig.get_paths()["purelib"]))
+    files = [f for root in roots for f in _python_files(root)]
+    if corpus_mb > 0:
+        files.sort(key=lambda f: hashlib.sha256(f[0].encode()).hexdigest())
+        kept, size = [], 0
+        for relative, text in files:
+            if size > corpus_mb * 1e6:
+                break
+            kept.append((relative, text))
+            size += len(text)
+        files = sorted(kept)
+    if not files:
+        raise EaglekitError(f"no Python sources under {', '.join(map(str, roots))}: run with a CPython that ships its Lib/ sources")
+    return files
+
+
+def _python_files(root: Path) -> list[tuple[str, str]]:
     files = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
@@ -118,8 +144,6 @@ def stdlib_files() -> list[tuple[str, str]]:
             files.append((relative, path.read_text(encoding="utf-8")))
         except (UnicodeDecodeError, OSError):
             continue
-    if not files:
-        raise EaglekitError(f"no standard-library sources under {root}: run with a CPython that ships its Lib/ sources")
     return files
 
 
@@ -272,6 +296,11 @@ def train(config: BuildConfig, model: Any, stream: torch.Tensor) -> dict[str, An
         lr=config.lr, betas=(0.9, 0.95),
     )
     window = config.batch_size * (config.seq_len + 1)
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if config.device == "auto" else config.device)
+    model.to(device)
+    forward = torch.compile(model) if config.compile else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     budget, start = config.minutes * 60.0, time.monotonic()
     step, position, tokens, recent = 0, 0, 0, []
     model.train()
@@ -279,12 +308,13 @@ def train(config: BuildConfig, model: Any, stream: torch.Tensor) -> dict[str, An
     while (fraction := step / config.steps if config.steps else (time.monotonic() - start) / budget) < 1.0:
         if position + window > len(stream):
             position = 0
-        batch = stream[position:position + window].view(config.batch_size, config.seq_len + 1)  # (B, T+1)
+        batch = stream[position:position + window].view(config.batch_size, config.seq_len + 1).to(device)  # (B, T+1)
         position += window
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step, fraction)
-        logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        with autocast:
+            logits = forward(input_ids=batch[:, :-1]).logits  # (B, T, V)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -295,7 +325,7 @@ def train(config: BuildConfig, model: Any, stream: torch.Tensor) -> dict[str, An
         progress.update((step if config.steps else int(elapsed)) - progress.n)
         progress.set_postfix(step=step, loss=f"{sum(recent) / len(recent):.3f}", tok_s=f"{tokens / elapsed:.0f}")
     progress.close()
-    model.eval()
+    model.to("cpu").eval()
     return {"steps": step, "tokens_seen": tokens, "train_seconds": round(time.monotonic() - start, 1),
             "train_loss_final": round(sum(recent) / max(len(recent), 1), 4), "stream_tokens": len(stream)}
 
@@ -411,12 +441,17 @@ def build(config: BuildConfig) -> dict[str, Any]:
     started = time.monotonic()
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
-    files = stdlib_files()
+    files = stdlib_files(config.corpus, config.corpus_mb)
     split = {name: [f for f in files if split_of(f[0]) == name] for name in ("train", "prompts", "eval")}
     log.info("stdlib: %d files (%d train, %d prompts, %d eval)", len(files), *(len(v) for v in split.values()))
     documents = training_documents(split["train"], config.seed)
     heldout_documents = training_documents(split["prompts"] + split["eval"], config.seed)
-    tokenizer = train_tokenizer(documents, config.vocab_size)
+    if config.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    else:
+        tokenizer = train_tokenizer(documents, config.vocab_size)
     probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
     assert tokenizer.apply_chat_template(probe, tokenize=False) == render(probe), "Jinja and Python templates differ"
     stream = token_stream(tokenizer, documents)
@@ -441,7 +476,7 @@ def build(config: BuildConfig) -> dict[str, Any]:
         "size_bytes": sum(p.stat().st_size for p in staging.iterdir()),
     })
     atomic_write_text(staging / "training_report.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    install(staging, output / "tiny_target")
+    install(staging, output / config.name)
     write_jsonl(output / "tiny_prompts.jsonl", prompts)
     write_jsonl(output / "tiny_prompts_eval.jsonl", eval_records)
     return report
@@ -469,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['train_seconds']:.0f}s; greedy repetition rate {report['repetition_rate']:.2f}")
     for sample in report["samples"][:2]:
         print(f"--- {sample['id']}\n{sample['prompt']}\n>>> {sample['completion']}")
-    print(f"wrote {Path(config.output) / 'tiny_target'} ({report['size_bytes'] / 1e6:.1f} MB)")
+    print(f"wrote {Path(config.output) / config.name} ({report['size_bytes'] / 1e6:.1f} MB)")
     return 0
 
 
