@@ -86,7 +86,10 @@ def collect(out: str | Path) -> dict[str, Any]:
     order = (info["run"].get("config") or {}).get("export_formats") or []
     folders = sorted((d for d in (out / "export").glob("*") if d.is_dir()), key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
     info["exports"] = {d.name: read_manifest(d) for d in folders if read_manifest(d)}
-    info["doctor"] = {d.name: _json(d / "doctor.json") for d in sorted((out / "doctor").glob("*")) if (d / "doctor.json").is_file()}
+    engines = (info["run"].get("config") or {}).get("doctor_engines") or []
+    checked = sorted((d for d in (out / "doctor").glob("*") if (d / "doctor.json").is_file()),
+                     key=lambda d: (engines.index(d.name) if d.name in engines else len(engines), d.name))
+    info["doctor"] = {d.name: _json(d / "doctor.json") for d in checked}
     return info
 
 
@@ -170,7 +173,7 @@ def plot_training(metrics: dict[str, list[dict[str, Any]]], path: Path) -> bool:
             right.plot([m["step"] for m in train], [m["acc_k"][k] for m in train], color=colors[k], alpha=0.4)
         if val:
             right.plot([m["step"] for m in val], [m["acc_k"][k] for m in val], "o-", color=colors[k], label=f"position {k + 1}")
-    right.set(xlabel="optimizer step", ylabel="top-1 accuracy", title="accuracy per TTT position (dots: validation)", ylim=(0, 1.02))
+    right.set(xlabel="optimizer step", ylabel="top-1 accuracy (train: thin lines)", title="accuracy per TTT position (dots: validation)", ylim=(0, 1.02))
     right.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     _save(fig, path)
@@ -190,6 +193,7 @@ def plot_acceptance(rows: list[dict[str, Any]], val: dict[str, Any], path: Path)
         acc = val["acc_k"]
         axis.plot(range(1, len(acc) + 1), acc, "s--", color="gray", label="training validation accuracy")
     axis.set(xlabel="draft position", ylabel="share", ylim=(0, 1.05), title="acceptance per draft position")
+    axis.xaxis.get_major_locator().set_params(integer=True)
     axis.legend(fontsize=8)
     fig.tight_layout()
     _save(fig, path)
