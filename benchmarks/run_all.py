@@ -1,0 +1,181 @@
+"""The GPU reference benchmark: the whole eaglekit pipeline on a self-trained target, beside its peers.
+
+    # one H200, two device commands (each part skips what is already on disk under --work):
+    python benchmarks/run_all.py --parts target,pipeline --work runs/reference --out $OUT
+    python benchmarks/run_all.py --parts bench,speed,summary --work runs/reference --out $OUT
+    # the same flow at toy sizes on a CPU, a few minutes:
+    python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
+
+Parts
+- target:   trains the reference target (Llama, own BPE tokenizer, ChatML template) from scratch on the
+            Python sources installed on this machine (stdlib + site-packages, files split by path hash so
+            held-out prompts come from files never trained on) for a fixed wall budget
+            (scripts/build_tiny_target.py), and a small draft LM with the same tokenizer for HF
+            assisted generation, trained for the same wall budget the EAGLE-3 drafter gets.
+- pipeline: `eaglekit run` on that target: regen (the target answers the training prompts) -> extract
+            -> vocab -> train (a fixed number of steps sized to the drafter budget).
+- bench:    the same `eaglekit run`, now with bench (eaglekit plain fast path, HF generate, HF assisted
+            generation, HF prompt lookup, EAGLE-3 chain and tree; temperature 0 and 1, held-out prompts)
+            and export.
+- speed:    benchmarks/train_speed.py (8B-shaped drafter: tokens/s, MFU, peak memory) and
+            benchmarks/regen_speed.py (regen vs bare generate).
+- summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+# Sizes: (reference target, draft LM, pipeline) for the GPU run and for the CPU smoke run.
+GPU = {
+    "target": dict(hidden_size=512, num_layers=24, num_heads=8, num_kv_heads=4, intermediate_size=1536,
+                   vocab_size=8192, seq_len=512, batch_size=96, lr=1.5e-3, warmup_steps=100, minutes=3.0,
+                   corpus="stdlib+site-packages", corpus_mb=120.0, num_prompts=2500, num_eval=40,
+                   device="cuda", compile=True, threads=16, max_positions=2048),
+    "draft_lm": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, minutes=0.75),
+    "run": {
+        "regen": {"max_new_tokens": 160, "batch_size": 256},
+        "extract": {"max_length": 512},
+        "vocab": {"size": 4096},
+        "train": {"epochs": 30, "max_steps": 1500, "batch_size": 32, "max_length": 512, "lr": 6e-4,
+                  "ttt_steps": 7, "val_fraction": 0.05, "log_every": 50, "save_every": 500, "compile": False},
+        "bench": {"num_prompts": 10, "max_new_tokens": 128, "repeats": 1, "warmup": 1,
+                  "temperatures": [0.0, 1.0], "depth": 6, "tree_top_k": 8, "total_tokens": 48, "chain_length": 4},
+    },
+}
+SMOKE = {
+    "target": dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                   vocab_size=1024, seq_len=128, batch_size=4, steps=4, corpus="stdlib", corpus_mb=2.0,
+                   num_prompts=24, num_eval=4, device="cpu", threads=2),
+    "draft_lm": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, steps=2),
+    "run": {
+        "regen": {"max_new_tokens": 16, "batch_size": 8},
+        "extract": {"max_length": 128},
+        "vocab": {"size": 512},
+        "train": {"epochs": 1, "batch_size": 4, "max_length": 128, "ttt_steps": 2, "log_every": 1},
+        "bench": {"num_prompts": 2, "max_new_tokens": 8, "repeats": 1, "warmup": 0, "temperatures": [0.0, 1.0],
+                  "depth": 2, "tree_top_k": 2, "total_tokens": 4, "chain_length": 2},
+    },
+}
+
+
+def log(message: str) -> None:
+    print(f"[run_all {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def build_models(work: Path, sizes: dict) -> dict:
+    """The reference target and the same-tokenizer draft LM (skipped when already built)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_tiny_target import BuildConfig, build
+
+    reports = {}
+    target_dir = work / "models" / "reference_target"
+    if not (target_dir / "training_report.json").is_file():
+        log("training the reference target")
+        build(BuildConfig(output=str(work / "models"), name="reference_target", **sizes["target"]))
+    reports["target"] = json.loads((target_dir / "training_report.json").read_text())
+    draft_dir = work / "models" / "draft_lm"
+    if not (draft_dir / "training_report.json").is_file():
+        log("training the draft LM for HF assisted generation (same tokenizer)")
+        shared = {k: v for k, v in sizes["target"].items() if k not in sizes["draft_lm"] and k != "compile"}
+        build(BuildConfig(output=str(work / "models"), name="draft_lm", tokenizer=str(target_dir),
+                          **shared, **sizes["draft_lm"]))
+    reports["draft_lm"] = json.loads((draft_dir / "training_report.json").read_text())
+    return reports
+
+
+def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...]) -> None:
+    """`eaglekit run` on the reference target with the given stages (finished ones are skipped)."""
+    from eaglekit.config import load_config
+    from eaglekit.stages import run as run_stage
+
+    models = work / "models"
+    overrides = {
+        "target": str(models / "reference_target"),
+        "data": [str(models / "tiny_prompts.jsonl")],
+        "out": str(work / "run"),
+        "stages": list(stages),
+        "doctor_engines": [],
+        **json.loads(json.dumps(sizes["run"])),
+    }
+    overrides["bench"] = {**overrides["bench"], "prompts": str(models / "tiny_prompts_eval.jsonl"),
+                          "assistant": str(models / "draft_lm")}
+    run_stage.run(load_config(run_stage.Config, None, overrides))
+
+
+def run_speed(out: Path, smoke: bool) -> None:
+    flag = ["--smoke"] if smoke else []
+    commands = [
+        [sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), *flag, "--out", str(out / "train_speed.json")],
+        [sys.executable, str(ROOT / "benchmarks" / "regen_speed.py"), *flag, *([] if smoke else ["--shape", "8b"]),
+         "--records", "32", "--batch-size", "16", "--max-new-tokens", "64", "--repeats", "2", "--out", str(out / "regen_speed.json")],
+    ]
+    for command in commands:
+        log("running " + " ".join(Path(c).name if c.endswith(".py") else c for c in command[1:]))
+        subprocess.run(command, check=False, timeout=400)
+
+
+def summarise(work: Path, out: Path) -> dict:
+    """Every figure of this run in one JSON (and a markdown table)."""
+    from eaglekit.manifest import environment
+
+    def load(path: Path) -> dict | None:
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    run_dir = work / "run"
+    summary = {
+        "environment": environment(),
+        "reference_target": load(work / "models" / "reference_target" / "training_report.json"),
+        "draft_lm": load(work / "models" / "draft_lm" / "training_report.json"),
+        "run": load(run_dir / "run.json"),
+        "bench": load(run_dir / "bench" / "bench.json"),
+        "train_speed": load(out / "train_speed.json"),
+        "regen_speed": load(out / "regen_speed.json"),
+    }
+    for key in ("reference_target", "draft_lm"):
+        if summary[key]:
+            summary[key] = {k: v for k, v in summary[key].items() if k != "eval_records"}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    bench_md = run_dir / "bench" / "bench.md"
+    if bench_md.is_file():
+        (out / "bench.md").write_text(bench_md.read_text())
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="target,pipeline,bench,speed,summary")
+    parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
+    parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
+    args = parser.parse_args()
+    sizes = SMOKE if args.smoke else GPU
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    start = time.perf_counter()
+    if "target" in parts:
+        build_models(work, sizes)
+    if "pipeline" in parts:
+        run_pipeline(work, sizes, ("regen", "extract", "vocab", "train"))
+    if "bench" in parts:
+        run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export"))
+    if "speed" in parts:
+        run_speed(out, args.smoke)
+    if "summary" in parts:
+        summarise(work, out)
+    log(f"done in {time.perf_counter() - start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
