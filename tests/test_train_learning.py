@@ -1,9 +1,10 @@
 """Learning test: on the built-in tiny target, a drafter trained on the CPU for about a minute predicts the
 target's next token far better than a unigram baseline.
 
-Measured (2026-12-02, 2 shared CPU cores, settings below, ~60 s of CPU time): first-position validation
-accuracy 0.617 against a unigram baseline of 0.183 (always predicting the most frequent assistant token of the
-training split). The test asserts accuracy >= baseline + 0.2.
+Measured (2026-12-02, built-in tiny target v1, 2 shared CPU cores, settings below: 2 epochs, 44 steps, about
+1-2 minutes): first-position validation accuracy 0.337 against a unigram baseline of 0.068 (always predicting
+the most frequent assistant token of the training split, scored against the target's argmax on the same
+validation positions). The test asserts accuracy >= baseline + 0.15 and >= 3x the baseline.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not (tiny_target_path() / "config.json").is_file() or not PROMPTS.is_file(),
                        reason="built-in tiny target (src/eaglekit/assets/tiny_target/ + tiny_prompts.jsonl) not present"),
 ]
-SETTINGS = {"target": "tiny", "data": [str(PROMPTS)], "batch_size": 8, "epochs": 1, "ttt_steps": 1, "max_length": 128,
+SETTINGS = {"target": "tiny", "data": [str(PROMPTS)], "batch_size": 8, "epochs": 2, "ttt_steps": 1, "max_length": 128,
             "draft_vocab_size": 1024, "val_fraction": 0.1, "lr": 3e-3, "warmup_steps": 3, "seed": 0}
 
 
@@ -56,4 +57,4 @@ def test_drafter_beats_unigram_baseline(tmp_path):
     accuracy = result["val"]["acc_k"][0]
     baseline = unigram_baseline(config)
     print(f"first-position validation accuracy {accuracy:.3f}, unigram baseline {baseline:.3f}")
-    assert accuracy >= baseline + 0.2, (accuracy, baseline)
+    assert accuracy >= baseline + 0.15 and accuracy >= 3 * baseline, (accuracy, baseline)
