@@ -142,7 +142,11 @@ class OnlineSource:
         loss_mask = pad_stack([r["loss_mask"][: self.max_length] for r in rows], t, False).to(device)
         attention = pad_stack([torch.ones(min(len(r["input_ids"]), self.max_length), dtype=torch.long) for r in rows], t).to(device)
         self.capture.reset()
-        self.target(input_ids=input_ids, attention_mask=attention, use_cache=False)
+        try:  # the soft labels come from the captured final state: skip the target's own (B, T, V) logits
+            self.target(input_ids=input_ids, attention_mask=attention, use_cache=False, logits_to_keep=1)
+        except TypeError:  # a model class without `logits_to_keep`
+            self.capture.reset()
+            self.target(input_ids=input_ids, attention_mask=attention, use_cache=False)
         aux, final = self.capture.aux().to(dtype), self.capture.final()
         weight = self.target.get_output_embeddings().weight
         probs, in_vocab = soft_labels_from_hidden(final, weight, self.t2d.to(device))

@@ -81,7 +81,8 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Draft
     if config.shards:
         dataset.validate(hidden_size=int(tc.hidden_size), aux_layer_ids=aux_input, aux_layer_convention=INPUT_OF_LAYER,
                          tokenizer_hash=_tokenizer_hash(config), target_config_hash=target_config_hash(target_config))
-        source: Any = OfflineSource(dataset, tokens, head.detach().to(d.device), drafter.t2d, config.max_length)
+        head = head.detach().to(d.device, torch.float32 if d.device.type == "cpu" else head.dtype)  # no bf16 matmuls on CPU
+        source: Any = OfflineSource(dataset, tokens, head, drafter.t2d, config.max_length)
     else:
         capture = stack.enter_context(HiddenStateCapture(target, aux_input))
         source = OnlineSource(records, target, capture, drafter.t2d, config.max_length)
