@@ -52,6 +52,7 @@ def synthetic_run(out: Path, target: str) -> None:
                                         "config": {"prompts": "eval.jsonl", "max_new_tokens": 64, "repeats": 3, "device": "cpu"}})
     for fmt, ids in (("vllm", [2, 16, 29]), ("sglang", [1, 15, 28])):
         manifest(out / "export" / fmt, "export", summary={"config_aux_layer_ids": ids, "max_logit_difference": 1.5e-6})
+    manifest(out / "export" / "vllm.old", "export", summary={})  # moved aside by a re-run with other options
     dump(out / "doctor" / "vllm" / "doctor.json", {"engine": "vllm", "engine_version": "0.11.0", "verdict": "supported",
                                                    "reasons": ["LlamaForCausalLM implements SupportsEagle3"], "fix": []})
     dump(out / "doctor" / "sglang" / "doctor.json", {"engine": "sglang", "engine_version": None, "verdict": "unknown",
@@ -81,6 +82,7 @@ def test_report_sections_and_numbers(tmp_path):
     assert (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 --speculative-draft-model-path "
             f"{sglang} --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in text
     assert text.index("**vllm**") < text.index("**sglang**")  # in the run's export order
+    assert "vllm.old" not in text
     assert "| vllm | 0.11.0 | **supported** | LlamaForCausalLM implements SupportsEagle3 | - |" in text
     assert "| sglang | n/a | **unknown** | sglang is not installed in this environment | - |" in text
     # headline: the fastest EAGLE-3 method at the lowest temperature

@@ -84,10 +84,10 @@ def collect(out: str | Path) -> dict[str, Any]:
     info["metrics"] = read_metrics(out / "train" / "metrics.jsonl")
     info["bench"] = _json(out / "bench" / "bench.json") if read_manifest(out / "bench") else None
     order = (info["run"].get("config") or {}).get("export_formats") or []
-    folders = sorted((d for d in (out / "export").glob("*") if d.is_dir()), key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
+    folders = sorted((d for d in (out / "export").glob("*") if d.is_dir() and not d.name.endswith(".old")), key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
     info["exports"] = {d.name: read_manifest(d) for d in folders if read_manifest(d)}
     engines = (info["run"].get("config") or {}).get("doctor_engines") or []
-    checked = sorted((d for d in (out / "doctor").glob("*") if (d / "doctor.json").is_file()),
+    checked = sorted((d for d in (out / "doctor").glob("*") if (d / "doctor.json").is_file() and not d.name.endswith(".old")),
                      key=lambda d: (engines.index(d.name) if d.name in engines else len(engines), d.name))
     info["doctor"] = {d.name: _json(d / "doctor.json") for d in checked}
     return info
