@@ -68,7 +68,7 @@ def test_report_sections_and_numbers(tmp_path):
     text = report.path.read_text()
     for heading in ("# eaglekit run report", "## Data", "## Training", "## Decoding", "## Export", "## Serving engines (doctor)"):
         assert heading in text
-    assert "- regen: 11 of 12 records answered by the target (345 new tokens in 11 answers, 9.2 s this run)" in text
+    assert "- regen: 11 of 12 records answered by the target (345 new tokens in 11 answers, generated in 9.2 s)" in text
     assert "- records: 11; tokens: 8; loss-masked (assistant) tokens: 3 (37.5%); truncated records: 2" in text
     assert "draft vocabulary: 1024 of 4096 ids (built from counts); coverage 98.77% of 3 loss-masked tokens" in text
     assert "Validation at step 40: loss 1.2345, estimated tau 2.47." in text

@@ -218,7 +218,7 @@ def _section_data(info: dict[str, Any]) -> list[str]:
     regen, extract, vocab = info["regen"], info["extract"], info["vocab"]
     if regen:
         lines.append(f"- regen: {regen['finished']} of {regen['records']} records answered by the target "
-                     f"({regen['completion_tokens']} new tokens in {regen['answers']} answers, {regen['seconds']:.1f} s this run)")
+                     f"({regen['completion_tokens']} new tokens in {regen['answers']} answers, generated in {regen['seconds']:.1f} s)")
     if extract:
         tokens, loss_tokens = extract.get("num_tokens"), extract.get("loss_tokens")
         share = f"{loss_tokens / tokens:.1%}" if loss_tokens is not None and tokens else "n/a"
