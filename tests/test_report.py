@@ -117,3 +117,22 @@ def test_speedup_falls_back_to_hf_generate_and_launch_commands():
         "vllm serve '/d r'",
         "vllm serve org/model --speculative-config '{\"method\": \"eagle3\", \"model\": \"/d r\", \"num_speculative_tokens\": 3}'"]
     assert "--trust-remote-code" in launch_commands("org/model", "/d", "sglang", trust_remote_code=True)[0]
+
+
+def test_online_training_data_is_counted_with_the_target_tokenizer(chat_target, tmp_path):
+    from eaglekit.data import read_conversations, tokenize_conversation
+    from eaglekit.target.loading import load_tokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]}) + "\n"
+                            for u, a in (("hello world", "the lazy dog"), ("two plus two", "quick brown fox jumps"))))
+    out = tmp_path / "run"
+    dump(out / "run.json", {"config": {"target": chat_target, "data": [str(data)]}, "steps": []})
+    manifest(out / "train", "train", mode="online", steps=1, config={"target": chat_target, "data": [str(data)], "max_length": 64})
+    dump(out / "train" / ".run-done", {"key": "abc"})
+    tokenizer = load_tokenizer(chat_target)
+    records = [tokenize_conversation(tokenizer, c, 64) for c in read_conversations([str(data)])]
+    tokens, learned = sum(r.num_tokens for r in records), sum(r.num_learned for r in records)
+    text = write_report(out).path.read_text()
+    assert f"- records: 2; tokens: {tokens}; loss-masked (assistant) tokens: {learned} ({learned / tokens:.1%})" in text
+    assert json.loads((out / "report-data.json").read_text())["key"] == "abc"

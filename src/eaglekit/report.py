@@ -70,6 +70,31 @@ def _extract_loss_tokens(directory: Path, manifest: dict[str, Any]) -> int | Non
         return None
 
 
+def _online_data_stats(out: Path, train: dict[str, Any]) -> dict[str, Any] | None:
+    """Online training stores no tokens: tokenise its data as train did (cached, keyed by the train step's key)."""
+    from eaglekit.errors import EaglekitError
+    from eaglekit.manifest import atomic_write_json
+
+    cache, key = out / "report-data.json", (_json(out / "train" / ".run-done") or {}).get("key")
+    cached = _json(cache)
+    if cached and key and cached.get("key") == key:
+        return cached
+    config = train.get("config") or {}
+    try:
+        from eaglekit.draft.data import conversation_records
+        from eaglekit.target.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(config["target"], trust_remote_code=bool(config.get("trust_remote_code")))
+        records = conversation_records(tuple(config["data"]), tokenizer, int(config["max_length"]), config.get("chat_template") or "")
+    except (EaglekitError, OSError, KeyError, ValueError) as error:
+        log.warning("could not count the online training data's tokens: %s", error)
+        return None
+    stats = {"key": key, "num_records": len(records), "num_tokens": sum(len(r["input_ids"]) for r in records),
+             "loss_tokens": sum(int(r["loss_mask"].sum()) for r in records)}
+    atomic_write_json(cache, stats)
+    return stats
+
+
 def collect(out: str | Path) -> dict[str, Any]:
     """Everything the report shows, from the files in the run folder (None where a stage left nothing)."""
     out = Path(out)
@@ -81,6 +106,8 @@ def collect(out: str | Path) -> dict[str, Any]:
     info["extract"] = extract
     info["vocab"] = read_manifest(out / "vocab")
     info["train"] = read_manifest(out / "train")
+    if not extract and info["train"] and info["train"].get("mode") == "online":
+        info["extract"] = _online_data_stats(out, info["train"])
     info["metrics"] = read_metrics(out / "train" / "metrics.jsonl")
     info["bench"] = _json(out / "bench" / "bench.json") if read_manifest(out / "bench") else None
     order = (info["run"].get("config") or {}).get("export_formats") or []
@@ -224,7 +251,8 @@ def _section_data(info: dict[str, Any]) -> list[str]:
         share = f"{loss_tokens / tokens:.1%}" if loss_tokens is not None and tokens else "n/a"
         stats = extract.get("stats") or {}
         lines.append(f"- records: {extract.get('num_records')}; tokens: {tokens}; loss-masked (assistant) tokens: "
-                     f"{_fmt(loss_tokens, 'd')} ({share}); truncated records: {stats.get('truncated', 'n/a')}")
+                     f"{_fmt(loss_tokens, 'd')} ({share}); truncated records: {stats.get('truncated', 'n/a')}"
+                     + (" (counted from the online training data)" if "key" in extract else ""))
     if vocab:
         lines.append(f"- draft vocabulary: {vocab['draft_vocab_size']} of {vocab['vocab_size']} ids ({vocab.get('mapping')}); "
                      f"coverage {vocab['coverage']:.2%} of {vocab['tokens_counted']} loss-masked tokens "
@@ -232,7 +260,7 @@ def _section_data(info: dict[str, Any]) -> list[str]:
     if len(lines) == 3:
         lines.append("Not run (regen, extract and vocab left out or not finished).")
     elif not extract:
-        lines.append("- total tokens and loss-masked share: not measured (no extract stage in this run)")
+        lines.append("- total tokens and loss-masked share: not measured (no extract store and no finished online training)")
     return lines
 
 
