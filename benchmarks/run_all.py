@@ -45,7 +45,7 @@ GPU = {
         "regen": {"max_new_tokens": 160, "batch_size": 256},
         "extract": {"max_length": 512},
         "vocab": {"size": 4096},
-        "train": {"epochs": 30, "max_steps": 1500, "batch_size": 32, "max_length": 512, "lr": 6e-4,
+        "train": {"epochs": 30, "max_steps": 800, "batch_size": 32, "max_length": 512, "lr": 6e-4,
                   "ttt_steps": 7, "val_fraction": 0.05, "log_every": 50, "save_every": 500, "compile": False},
         "bench": {"num_prompts": 10, "max_new_tokens": 128, "repeats": 1, "warmup": 1,
                   "temperatures": [0.0, 1.0], "depth": 6, "tree_top_k": 8, "total_tokens": 48, "chain_length": 4},
