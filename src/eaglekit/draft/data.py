@@ -1,7 +1,8 @@
 """Training data for the drafter: records, the train/validation split, length-bucketed batches and the
 two feature sources (offline: extract shards; online: the frozen target run in-process).
 
-A batch holds, per sequence (right-padded to the batch's longest): token ids x (B, T), the assistant
+A batch holds, per sequence (right-padded to the batch's longest, rounded up to a multiple of
+`pad_to_multiple` so that compiled kernels see few distinct lengths): token ids x (B, T), the assistant
 loss mask (B, T), the target aux states (B, T, 3H) and the soft labels derived from the target's final
 hidden state through its lm_head, restricted to the draft vocabulary (see `eaglekit.draft.ttt`).
 """
@@ -85,6 +86,13 @@ def epoch_batches(indices: list[int], lengths: list[int], batch_size: int, world
     return [batches[i] for i in shuffle]
 
 
+def padded_length(longest: int, multiple: int) -> int:
+    """`longest` rounded up to a multiple of `multiple` (>= 1). Right padding is exact: it is outside the loss
+    mask, and causal attention never lets a real position see a later (padded) one."""
+    assert multiple >= 1, multiple
+    return -(-longest // multiple) * multiple
+
+
 def pad_stack(tensors: list[torch.Tensor], length: int, fill: float | int | bool = 0) -> torch.Tensor:
     """Right-pad along dim 0 to `length` and stack: list of (T_i, ...) -> (B, length, ...)."""
     out = torch.full((len(tensors), length, *tensors[0].shape[1:]), fill, dtype=tensors[0].dtype)
@@ -109,9 +117,9 @@ class OfflineSource:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def batch(self, indices: list[int], device: torch.device, dtype: torch.dtype) -> Batch:
+    def batch(self, indices: list[int], device: torch.device, dtype: torch.dtype, pad_to_multiple: int = 1) -> Batch:
         records = [self.dataset[self.order[i]] for i in indices]
-        t = max(min(len(r["input_ids"]), self.max_length) for r in records)
+        t = padded_length(max(min(len(r["input_ids"]), self.max_length) for r in records), pad_to_multiple)
         cut = [{k: r[k][: self.max_length] for k in ("input_ids", "loss_mask", "aux", "final")} for r in records]
         aux = pad_stack([r["aux"] for r in cut], t).to(device, dtype)  # (B, T, 3H)
         final = pad_stack([r["final"] for r in cut], t).to(device)  # (B, T, H)
@@ -135,9 +143,9 @@ class OnlineSource:
         return len(self.records)
 
     @torch.no_grad()
-    def batch(self, indices: list[int], device: torch.device, dtype: torch.dtype) -> Batch:
+    def batch(self, indices: list[int], device: torch.device, dtype: torch.dtype, pad_to_multiple: int = 1) -> Batch:
         rows = [self.records[i] for i in indices]
-        t = max(min(len(r["input_ids"]), self.max_length) for r in rows)
+        t = padded_length(max(min(len(r["input_ids"]), self.max_length) for r in rows), pad_to_multiple)
         input_ids = pad_stack([r["input_ids"][: self.max_length] for r in rows], t).to(device)
         loss_mask = pad_stack([r["loss_mask"][: self.max_length] for r in rows], t, False).to(device)
         attention = pad_stack([torch.ones(min(len(r["input_ids"]), self.max_length), dtype=torch.long) for r in rows], t).to(device)
@@ -147,7 +155,9 @@ class OnlineSource:
         except TypeError:  # a model class without `logits_to_keep`
             self.capture.reset()
             self.target(input_ids=input_ids, attention_mask=attention, use_cache=False)
-        aux, final = self.capture.aux().to(dtype), self.capture.final()
-        weight = self.target.get_output_embeddings().weight
-        probs, in_vocab = soft_labels_from_hidden(final, weight, self.t2d.to(device))
-        return Batch(input_ids, loss_mask, aux, probs, in_vocab)
+        # with a device_map the states and the lm_head may sit on other devices than the drafter's
+        weight = self.target.get_output_embeddings().weight  # (V, H)
+        aux = self.capture.aux().to(device, dtype)  # (B, T, 3H)
+        final = self.capture.final().to(weight.device)  # (B, T, H)
+        probs, in_vocab = soft_labels_from_hidden(final, weight, self.t2d.to(weight.device))
+        return Batch(input_ids, loss_mask, aux, probs.to(device), in_vocab.to(device))

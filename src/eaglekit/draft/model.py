@@ -15,6 +15,7 @@ boolean mask over the target vocabulary, True for ids the draft vocabulary keeps
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +107,19 @@ class DrafterConfig:
         return cls(**kwargs)
 
 
-_COMPILED_FLEX: Any = None
+@functools.cache
+def compiled_flex_attention(backend: str | Any = "inductor") -> Any:
+    """flex_attention compiled once for every shape.
+
+    `dynamic=None` is torch.compile's automatic dynamic shapes: the first call compiles for its shapes, and the
+    first call with another length recompiles once with symbolic lengths. `dynamic=False` compiled every new
+    (T, S) anew: TTT alone gives K key lengths per T, and varying T hit the recompile limit (8), after which
+    every call ran eager flex (orders of magnitude slower). Training also pads T to a multiple of
+    `pad_to_multiple`, so the lengths seen are few (docs/train.md).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=None, backend=backend)
 
 
 def attend(
@@ -126,12 +139,8 @@ def attend(
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=enable_gqa)
     from torch.nn.attention.flex_attention import flex_attention
 
-    global _COMPILED_FLEX
-    function = flex_attention
-    if q.device.type == "cuda":  # eager flex attention is a slow reference; the kernel needs compile
-        if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-        function = _COMPILED_FLEX
+    # eager flex attention is a slow reference; the CUDA kernel needs compile
+    function = compiled_flex_attention() if q.device.type == "cuda" else flex_attention
     return function(q, keys, values, block_mask=mask, enable_gqa=enable_gqa)
 
 

@@ -22,13 +22,24 @@ from eaglekit.errors import EaglekitError
 log = logging.getLogger(__name__)
 
 
-def _check(config: Any) -> None:
+def _check(config: Any, world: int) -> None:
     if not config.output:
         raise EaglekitError("no output directory: pass output=DIR")
     if not config.target:
         raise EaglekitError("no target: pass target=PATH (the model the drafter serves), or target=tiny")
     if bool(config.shards) == bool(config.data):
         raise EaglekitError("give exactly one data source: shards=DIR (offline, from `eaglekit extract`) or data=FILES (online)")
+    if config.device_map and config.shards:
+        raise EaglekitError(f"device_map={config.device_map} places the target for online training; offline training (shards=) "
+                            "never loads the target: drop device_map")
+    if config.device_map and world > 1:
+        raise EaglekitError(f"device_map={config.device_map} spreads ONE target over the GPUs of one process, but this is one of "
+                            f"{world} torchrun processes: run train as a single process (no torchrun), or drop device_map")
+    if config.device_map:
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise EaglekitError(f"device_map={config.device_map} needs the accelerate package: pip install accelerate")
     if config.ttt_steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
         raise EaglekitError("ttt_steps, batch_size and grad_accum must be at least 1")
     if config.resume is False and (Path(config.output) / "checkpoints" / "latest.json").is_file():
@@ -55,7 +66,7 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Draft
     from eaglekit.target.identity import target_config_hash
     from eaglekit.target.loading import load_target, load_tokenizer, resolve_target
 
-    _check(config)
+    _check(config, d.world)
     target_config = AutoConfig.from_pretrained(resolve_target(config.target), trust_remote_code=config.trust_remote_code)
     tc = text_config(target_config)
     architecture = (getattr(target_config, "architectures", None) or [type(target_config).__name__])[0]
@@ -67,7 +78,8 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Draft
         tokens = shard_tokens(dataset)
         embed, head = load_target_embeddings(config.target, config.trust_remote_code)
     else:
-        target = load_target(config.target, d.device, resolve_dtype("auto", d.device), trust_remote_code=config.trust_remote_code)
+        target = load_target(config.target, d.device, resolve_dtype("auto", d.device), trust_remote_code=config.trust_remote_code,
+                             device_map=config.device_map or None)
         tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
         records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template)
         tokens = [(r["input_ids"], r["loss_mask"]) for r in records]

@@ -32,7 +32,10 @@ from eaglekit.draft.ttt import expected_acceptance, step_masks, step_weights, tt
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
-RESUME_IGNORED = ("resume", "log_every", "val_every", "save_every", "keep_checkpoints", "compile", "device")
+# options that change neither the data order nor the math: a run may resume with other values
+RESUME_IGNORED = ("resume", "log_every", "val_every", "save_every", "keep_checkpoints", "compile", "device", "device_map",
+                  "pad_to_multiple")
+AUTO_PAD_CUDA = 128  # pad_to_multiple=0 on CUDA: at most max_length/128 distinct lengths reach the kernels
 
 
 @dataclass
@@ -91,6 +94,14 @@ def summarize(sums: torch.Tensor, decay: float) -> dict[str, Any]:
     return {"loss": loss, "loss_k": loss_k, "acc_k": acc_k, "tau": expected_acceptance(acc_k), "tokens": int(acc_counts[0])}
 
 
+def pad_multiple(option: int, device: torch.device) -> int:
+    """The `pad_to_multiple` option resolved: 0 = AUTO_PAD_CUDA on CUDA (bounded shapes for compiled kernels),
+    1 (no extra padding) elsewhere."""
+    if option < 0:
+        raise EaglekitError(f"pad_to_multiple={option}: use 0 (auto), 1 (no extra padding) or a positive multiple such as 128")
+    return option or (AUTO_PAD_CUDA if device.type == "cuda" else 1)
+
+
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine down to `min_ratio` at `total` steps."""
     if step < warmup:
@@ -114,6 +125,7 @@ class Trainer:
         self.output = Path(config.output)
         self.checkpoints = self.output / "checkpoints"
         self.amp = _amp_dtype(config.dtype, d.device)
+        self.pad_to = pad_multiple(config.pad_to_multiple, d.device)
         self.train_idx, self.val_idx = split_indices(len(source), config.val_fraction, config.seed)
         self.micro_batches = len(epoch_batches(self.train_idx, source.lengths, config.batch_size, d.world, config.seed, 0))
         if self.micro_batches == 0:
@@ -177,7 +189,7 @@ class Trainer:
     def _micro(self, indices: list[int], scale: float, sync: bool) -> torch.Tensor:
         """Forward + backward of this rank's share of a global micro-batch -> (4, K) sums."""
         mine = indices[self.d.rank :: self.d.world]
-        batch = self.source.batch(mine, self.d.device, self.amp or torch.float32)
+        batch = self.source.batch(mine, self.d.device, self.amp or torch.float32, self.pad_to)
         train_masks, _ = step_masks(batch.loss_mask, batch.in_vocab, self.config.ttt_steps)
         denominators = all_reduce(train_masks.sum(dim=(1, 2)).float(), self.d).clamp(min=1.0)
         no_sync = getattr(self.module, "no_sync", None)
@@ -256,7 +268,7 @@ class Trainer:
             mine, weight = chunk[self.d.rank :: self.d.world], 1.0
             if not mine:  # every rank runs the same forwards (FSDP gathers weights collectively): a dummy, weighted 0
                 mine, weight = chunk[:1], 0.0
-            batch = self.source.batch(mine, self.d.device, self.amp or torch.float32)
+            batch = self.source.batch(mine, self.d.device, self.amp or torch.float32, self.pad_to)
             ones = torch.ones(self.config.ttt_steps, device=self.d.device)
             with _autocast(self.d.device, self.amp):
                 _, loss_sums, correct, train_counts, acc_counts = self.module(

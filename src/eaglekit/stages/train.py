@@ -3,6 +3,7 @@
     eaglekit train target=PATH shards=runs/extract output=runs/drafter            # offline
     eaglekit train target=PATH data=train.jsonl output=runs/drafter               # online (no disk)
     eaglekit train target=PATH data=new.jsonl init_from=DRAFTER epochs=5 lr=5e-5  # fine-tune
+    eaglekit train target=BIG data=train.jsonl device_map=auto output=...         # online, target over all GPUs
     torchrun --nproc-per-node 8 -m eaglekit train ... [distributed=fsdp]           # several GPUs
 
 Writes the drafter (`config.json`, `model.safetensors`), `vocab.safetensors`, `metrics.jsonl`,
@@ -35,6 +36,8 @@ class Config:
     batch_size: int = option(4, "sequences per micro-batch per process")
     grad_accum: int = option(1, "micro-batches per optimizer step")
     max_length: int = option(2048, "tokens per sequence (longer ones are truncated)")
+    pad_to_multiple: int = option(0, "pad each micro-batch's length up to a multiple of this, so compiled kernels see few "
+                                  "shapes (padding is masked: same loss); 0 = auto: 128 on CUDA, 1 elsewhere")
     lr: float = option(1e-4, "peak learning rate (AdamW)")
     betas: tuple[float, ...] = option((0.9, 0.95), "AdamW betas")
     weight_decay: float = option(0.0, "AdamW weight decay")
@@ -49,8 +52,11 @@ class Config:
     log_every: int = option(10, "train metrics line every N optimizer steps")
     seed: int = option(0, "seed for initialisation, split and data order")
     device: str = option("auto", "auto, cpu, cuda, cuda:N (torchrun: the local rank's GPU)")
+    device_map: str = option("", "online mode, one process: spread a target too large for one GPU over the GPUs "
+                             "(e.g. auto, passed to from_pretrained); its states are moved to `device` for the drafter")
     dtype: str = option("auto", "autocast dtype: auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp16", "fp32"))
-    attention: str = option("auto", "TTT attention: sdpa (boolean mask), flex (block mask), auto = flex on CUDA", choices=("auto", "sdpa", "flex"))
+    attention: str = option("auto", "TTT attention: sdpa (boolean mask), flex (block mask, compiled on CUDA), auto = sdpa",
+                            choices=("auto", "sdpa", "flex"))
     compile: bool = option(False, "torch.compile the TTT forward")
     distributed: str = option("ddp", "under torchrun: ddp, or fsdp (FSDP2 fully_shard) for large drafters", choices=("ddp", "fsdp"))
     chat_template: str = option("", "online mode: chat template (Jinja string or file) overriding the tokenizer's")
