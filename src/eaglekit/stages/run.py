@@ -111,6 +111,9 @@ def _check(config: Config) -> tuple[str, ...]:
         raise EaglekitError("extract_processes and train_processes must be >= 1")
     if config.extract_processes > 1 and config.extract.device_map:
         raise EaglekitError("extract.device_map spreads one target over the GPUs of one process: use it with extract_processes=1")
+    if config.train.device_map and (config.train_processes > 1 or config.training == "offline"):
+        raise EaglekitError("train.device_map spreads one target over the GPUs of one process for online training: use it with "
+                            "training=online and train_processes=1 (offline training never loads the target)")
     for name, chosen, valid in (("export_formats", config.export_formats, EXPORT_FORMATS), ("doctor_engines", config.doctor_engines, ENGINES)):
         if any(v not in valid for v in chosen):
             raise EaglekitError(f"{name}={','.join(chosen)}: choose from {', '.join(valid)}")
@@ -169,6 +172,14 @@ def _inherit(section: Any, default: Any, key: str, value: Any) -> Any:
     return value if getattr(section, key) == getattr(default, key) else getattr(section, key)
 
 
+def _vocab_init_from(config: Config, vocab: _vocab.Config) -> dict[str, Any]:
+    """Fine-tuning (`train.init_from`): the vocab step keeps the drafter's own mapping (train refuses another one),
+    or builds a new one when train remaps (`train.rebuild_vocab`). Values set in the vocab section win."""
+    default = _vocab.Config()
+    return {"init_from": _inherit(vocab, default, "init_from", config.train.init_from),
+            "rebuild": _inherit(vocab, default, "rebuild", config.train.rebuild_vocab)}
+
+
 def _data_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...], target: tuple[str, ...]) -> tuple[list[Step], tuple[str, ...], tuple[str, ...]]:
     """regen (when asked) -> (steps, training conversations, step names they come from)."""
     if "regen" not in stages:
@@ -186,6 +197,7 @@ def plan(config: Config) -> list[Step]:
     steps, conversations, source = _data_steps(config, stages, out, data, target)
     inputs = (*target, *(() if source else data))
     online = config.training == "online"
+    init_from = (config.train.init_from,) if config.train.init_from and Path(config.train.init_from).exists() else ()
     if "extract" in stages:
         extract = stage_config(config, "extract", data=conversations, output=str(out / "extract"), target=config.target)
         steps.append(Step("extract", out / "extract", lambda: extract, _execute("extract", config.extract_processes, out / "extract"),
@@ -193,15 +205,16 @@ def plan(config: Config) -> list[Step]:
     if "vocab" in stages:
         length_from = config.train if online else config.extract
         vocab = stage_config(config, "vocab", data=conversations, output=str(out / "vocab"), target=config.target)
-        vocab = dataclasses.replace(vocab, max_length=_inherit(vocab, _vocab.Config(), "max_length", length_from.max_length))
-        steps.append(Step("vocab", out / "vocab", lambda: vocab, _execute("vocab"), source, inputs, ("manifest.json",)))
+        vocab = dataclasses.replace(vocab, max_length=_inherit(vocab, _vocab.Config(), "max_length", length_from.max_length),
+                                    **_vocab_init_from(config, vocab))
+        steps.append(Step("vocab", out / "vocab", lambda: vocab, _execute("vocab"), source, (*inputs, *init_from), ("manifest.json",)))
     if "train" in stages:
         vocab_file = str(out / "vocab" / "vocab.safetensors") if "vocab" in stages else config.train.vocab
         train = stage_config(config, "train", target=config.target, output=str(out / "train"), resume=True, vocab=vocab_file,
                              shards="" if online else str(out / "extract"), data=conversations if online else ())
         after = (*(source if online else ("extract",)), *(("vocab",) if "vocab" in stages else ()))
         steps.append(Step("train", out / "train", lambda: train, _execute("train", config.train_processes, out / "train"),
-                          after, inputs, ("manifest.json", "model.safetensors")))
+                          after, (*inputs, *init_from), ("manifest.json", "model.safetensors")))
     steps += _later_steps(config, stages, out, data, target)
     return steps
 
