@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -22,6 +23,50 @@ def test_help_is_fast_and_imports_no_torch():
     assert time.time() - start < 5  # interpreter start included; the help itself is milliseconds
     for name in STAGES:
         assert f"  {name}" in out
+
+
+def test_stage_modules_import_no_torch_and_run_help_lists_options():
+    """Every stage module (and `eaglekit run --help`, which reads every stage's Config) stays light:
+    torch and transformers are imported only when a stage runs."""
+    code = textwrap.dedent("""
+        import importlib, sys
+        from eaglekit.cli import main
+        from eaglekit.stages import STAGES
+
+        offenders = {}  # heavy library -> the first stage module (or command) that imported it
+        def note(name):
+            for heavy in ("torch", "transformers"):
+                if heavy in sys.modules:
+                    offenders.setdefault(heavy, name)
+
+        for name, module in STAGES.items():
+            importlib.import_module(module)
+            note(name)
+        main(["run", "--help"])
+        note("run --help")
+        print("OFFENDERS", offenders)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "OFFENDERS {}" in out, out[out.find("OFFENDERS"):]
+    for option in ("  target (str", "  export_formats (tuple, default ('vllm', 'sglang', 'speculators'))",
+                   "  regen.data (tuple", "  extract.dtype (str", "  vocab.size (int, default 32000)", "  train.lr (float"):
+        assert option in out, option
+
+
+def test_stage_literals_match_the_library():
+    """Stage configs spell out a few library constants so that `--help` needs no torch; they must agree."""
+    from dataclasses import fields
+
+    from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
+    from eaglekit.draft.vocab import DEFAULT_SIZE
+    from eaglekit.stages import extract, vocab
+    from eaglekit.target.store import STORAGE_DTYPES
+
+    choices = {f.name: f.metadata["choices"] for f in fields(extract.Config)}
+    assert choices["dtype"] == tuple(STORAGE_DTYPES)
+    assert choices["aux_layer_convention"] == (INPUT_OF_LAYER, OUTPUT_OF_LAYER)
+    assert extract.Config().aux_layer_convention == INPUT_OF_LAYER
+    assert vocab.Config().size == DEFAULT_SIZE
 
 
 def test_version(capsys):

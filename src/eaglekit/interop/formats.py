@@ -27,11 +27,9 @@ from safetensors.torch import load_file
 
 from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig
 from eaglekit.errors import EaglekitError
+from eaglekit.interop.format_names import EXPORT_FORMATS, IMPORT_FORMATS  # noqa: F401 (convert.py reads formats.IMPORT_FORMATS)
 from eaglekit.target.capture import from_input_convention, to_input_convention
 
-
-EXPORT_FORMATS = ("vllm", "sglang", "speculators")
-IMPORT_FORMATS = ("auto", "vllm", "sglang", "eagle", "speculators")
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # the default of speculators' Eagle3SpeculatorConfig
 MARKER = "eaglekit_export"

@@ -20,7 +20,7 @@ from typing import Any
 
 from eaglekit.config import option, save_resolved
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.formats import EXPORT_FORMATS
+from eaglekit.interop.format_names import EXPORT_FORMATS
 
 log = logging.getLogger(__name__)
 

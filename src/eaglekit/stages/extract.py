@@ -19,24 +19,21 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm import tqdm
 
 from eaglekit.config import option, save_resolved
-from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import atomic_write_json, write_manifest
-from eaglekit.runtime import resolve_device, resolve_dtype
-from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, find_decoder, forward_target, text_config
 from eaglekit.target.identity import target_config_hash, tokenizer_hash
-from eaglekit.target.loading import load_target, load_target_config, load_tokenizer
-from eaglekit.target.shard_writer import ShardWriter
-from eaglekit.target.store import (
-    RUN_FILE, STORAGE_DTYPES, STORE_FORMAT, StoreLayout, merge_shard_logs, quantize_rows, read_shard_log, split_for_rank,
-)
-from eaglekit.target.verify import check_hook_calls, check_shapes, verify_capture
+
+if TYPE_CHECKING:  # torch and the target code are imported by the functions that run, so `--help` stays fast
+    import torch
+
+    from eaglekit.target.capture import HiddenStateCapture
+    from eaglekit.target.shard_writer import ShardWriter
+    from eaglekit.target.store import StoreLayout
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +47,10 @@ class Config:
     target: str = option("", "target model directory, hub id or 'tiny'")
     max_length: int = option(2048, "tokens per record; longer records are truncated (and counted)")
     aux_layer_ids: tuple[int, ...] = option((), "3 layer ids to capture (empty = 2, L//2, L-3)")
-    aux_layer_convention: str = option(INPUT_OF_LAYER, "meaning of aux_layer_ids", choices=(INPUT_OF_LAYER, OUTPUT_OF_LAYER))
-    dtype: str = option("bf16", "storage dtype; float8_e4m3fn halves the bytes (per-row scales)", choices=tuple(STORAGE_DTYPES))
+    # the choices spell out eaglekit.draft.model's conventions and eaglekit.target.store.STORAGE_DTYPES (tests/test_cli.py checks)
+    aux_layer_convention: str = option("input_of_layer", "meaning of aux_layer_ids", choices=("input_of_layer", "output_of_layer"))
+    dtype: str = option("bf16", "storage dtype; float8_e4m3fn halves the bytes (per-row scales)",
+                        choices=("bf16", "fp16", "fp32", "float8_e4m3fn"))
     model_dtype: str = option("auto", "dtype the target runs in (auto = bf16 on GPU, fp32 on CPU)")
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1); under torchrun each rank uses cuda:LOCAL_RANK")
     device_map: str = option("", "'auto' spreads one large target over all visible GPUs (not with torchrun)")
@@ -99,6 +98,8 @@ def make_batches(records: list[Record], batch_tokens: int, max_batch_size: int) 
 
 def pad_batch(batch: list[Record], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) ids and attention mask, and the (N,) flat row index of the real tokens."""
+    import torch
+
     longest = max(len(r.input_ids) for r in batch)
     ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -112,12 +113,12 @@ def pad_batch(batch: list[Record], pad_id: int) -> tuple[torch.Tensor, torch.Ten
 
 def resolve_aux_ids(config: Config, num_layers: int) -> tuple[int, ...]:
     """Requested ids in the input-of-layer convention (defaults when none given); checks the range."""
+    from eaglekit.target.capture import default_aux_layers, to_input_convention
+
     if num_layers < 4:
         raise EaglekitError(f"target {config.target} has {num_layers} decoder layers; EAGLE-3 needs at least 4")
     if not config.aux_layer_ids:
         return default_aux_layers(num_layers)
-    from eaglekit.target.capture import to_input_convention
-
     ids = to_input_convention(tuple(config.aux_layer_ids), config.aux_layer_convention)
     if len(ids) != 3 or not all(0 <= i <= num_layers for i in ids):
         raise EaglekitError(f"aux_layer_ids={list(config.aux_layer_ids)} ({config.aux_layer_convention}) must be 3 ids "
@@ -128,6 +129,8 @@ def resolve_aux_ids(config: Config, num_layers: int) -> tuple[int, ...]:
 # ---- data ----------------------------------------------------------------------------------------
 
 def tokenize_records(config: Config, tokenizer: Any) -> tuple[list[Record], dict[str, int]]:
+    import torch
+
     from eaglekit.data import read_conversations, tokenize_conversation
 
     conversations = read_conversations(list(config.data), skip_errors=config.skip_errors)
@@ -163,6 +166,7 @@ def distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -178,12 +182,16 @@ def _barrier(world: int) -> None:
 
 
 def _our_files(out: Path) -> list[Path]:
+    from eaglekit.target.store import RUN_FILE
+
     names = ("shard-r*.safetensors", "shards-r*.jsonl", ".shard-r*.tmp", RUN_FILE, "manifest.json")
     return [p for pattern in names for p in out.glob(pattern)]
 
 
 def prepare_output(out: Path, identity: dict[str, Any], overwrite: bool, rank: int, world: int) -> set[str]:
     """Guard resume against a different run, clean untrusted files; returns record ids already stored."""
+    from eaglekit.target.store import RUN_FILE, merge_shard_logs, read_shard_log
+
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if overwrite:
@@ -209,6 +217,10 @@ def prepare_output(out: Path, identity: dict[str, Any], overwrite: bool, rank: i
 
 
 def _layout_and_identity(config: Config, target_config: Any, tokenizer: Any, aux_ids: tuple[int, ...]) -> tuple[StoreLayout, dict[str, Any]]:
+    from eaglekit.draft.model import INPUT_OF_LAYER
+    from eaglekit.target.capture import text_config
+    from eaglekit.target.store import STORE_FORMAT, StoreLayout
+
     text = text_config(target_config)
     layout = StoreLayout(hidden_size=text.hidden_size, num_aux=len(aux_ids), dtype=config.dtype)
     identity = {"format": STORE_FORMAT, "target_config_hash": target_config_hash(target_config),
@@ -219,6 +231,10 @@ def _layout_and_identity(config: Config, target_config: Any, tokenizer: Any, aux
 
 
 def _device(config: Config, world: int) -> torch.device:
+    import torch
+
+    from eaglekit.runtime import resolve_device
+
     if config.device_map and world > 1:
         raise EaglekitError("device_map=auto spreads ONE model over the GPUs; with torchrun use one GPU per rank (drop device_map)")
     device = resolve_device(config.device)
@@ -233,6 +249,8 @@ def _device(config: Config, world: int) -> torch.device:
 def batch_states(capture: HiddenStateCapture, index: torch.Tensor, layout: StoreLayout) -> dict[str, torch.Tensor]:
     """Captured (B, T, .) states -> padding-stripped (N, .) rows in the storage dtype, all on the device of
     the first aux state (one device even when device_map spreads the layers)."""
+    from eaglekit.target.store import quantize_rows
+
     aux = capture.aux()  # (B, T, 3H)
     final = capture.final().to(aux.device)  # (B, T, H)
     index = index.to(aux.device, non_blocking=True)
@@ -252,6 +270,11 @@ def _input_device(model: torch.nn.Module) -> torch.device:
 def extract_batches(model: torch.nn.Module, capture: HiddenStateCapture, batches: list[list[Record]],
                     writer: ShardWriter, layout: StoreLayout, pad_id: int, show: bool) -> int:
     """Forward every batch with the hooks on and hand its rows to the writer; returns tokens processed."""
+    import torch
+
+    from eaglekit.target.capture import forward_target
+    from eaglekit.target.verify import check_hook_calls, check_shapes
+
     device = _input_device(model)
     pin = device.type == "cuda"
     hidden = layout.hidden_size
@@ -276,11 +299,21 @@ def extract_batches(model: torch.nn.Module, capture: HiddenStateCapture, batches
 
 
 def _verify_first(model: torch.nn.Module, capture: HiddenStateCapture, batches: list[list[Record]]) -> dict[str, Any]:
+    import torch
+
+    from eaglekit.target.verify import verify_capture
+
     probe = batches[0][0].input_ids[:64][None] if batches else torch.arange(1, 9)[None]  # (1, T)
     return verify_capture(model, capture, probe.to(_input_device(model))).to_dict()
 
 
 def run(config: Config) -> ExtractResult:
+    from eaglekit.runtime import resolve_dtype
+    from eaglekit.target.capture import HiddenStateCapture, find_decoder, text_config
+    from eaglekit.target.loading import load_target, load_target_config, load_tokenizer
+    from eaglekit.target.shard_writer import ShardWriter
+    from eaglekit.target.store import read_shard_log, split_for_rank
+
     if not config.output:
         raise EaglekitError("no output directory: pass output=DIR")
     if not config.data:
@@ -333,6 +366,9 @@ def run(config: Config) -> ExtractResult:
 
 def _finish(out: Path, config: Config, model: torch.nn.Module, decoder_path: str, layout: StoreLayout,
             identity: dict[str, Any], stats: dict[str, Any], verification: dict[str, Any], world: int) -> None:
+    from eaglekit.target.capture import text_config
+    from eaglekit.target.store import merge_shard_logs
+
     shards = merge_shard_logs(out)
     num_tokens = sum(e["num_tokens"] for e in shards)
     text = text_config(model.config)

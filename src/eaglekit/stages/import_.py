@@ -19,7 +19,7 @@ from typing import Any
 
 from eaglekit.config import option, save_resolved
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.formats import IMPORT_FORMATS
+from eaglekit.interop.format_names import IMPORT_FORMATS
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.formats import EXPORT_FORMATS
+from eaglekit.interop.format_names import EXPORT_FORMATS
 from eaglekit.pipeline import Step, StepRecord, run_steps
 from eaglekit.stages import bench as _bench
 from eaglekit.stages import doctor as _doctor

@@ -13,15 +13,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
 from tqdm import tqdm
 
 from eaglekit.config import option, save_resolved, to_dict
-from eaglekit.draft.vocab import DEFAULT_SIZE, VOCAB_FILE, VocabMapping, count_tokens, mapping_from_drafter, save_vocab, select_vocab
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import file_sha256, write_manifest
+
+if TYPE_CHECKING:  # torch is imported by the functions that count, so `eaglekit vocab --help` stays fast
+    import torch
+
+    from eaglekit.draft.vocab import VocabMapping
 
 log = logging.getLogger(__name__)
 POSITIONAL = ("data",)
@@ -33,7 +36,8 @@ class Config:
     shards: str = option("", "an `extract` output directory to count tokens in (instead of data)")
     target: str = option("", "target model (path, hub id or 'tiny'): its tokenizer and vocabulary size")
     output: str = option("", "output directory for vocab.safetensors")
-    size: int = option(DEFAULT_SIZE, "draft vocabulary size N (the whole target vocabulary if smaller)")
+    # 32000 = eaglekit.draft.vocab.DEFAULT_SIZE, written out to keep torch out of `--help` (tests/test_cli.py checks)
+    size: int = option(32000, "draft vocabulary size N (the whole target vocabulary if smaller)")
     max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training)")
     chat_template: str = option("", "chat template (Jinja text or .jinja file) overriding the tokenizer's")
     init_from: str = option("", "an existing eaglekit drafter: its mapping is kept (fine-tuning)")
@@ -70,6 +74,8 @@ def target_vocab_size(config: Config) -> int:
 
 def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
     """Token counts (V,) from shards or conversations, and where they came from."""
+    from eaglekit.draft.vocab import count_tokens
+
     if bool(config.shards) == bool(config.data):
         raise EaglekitError("give exactly one source: data=FILES (conversations) or shards=DIR (extract output)")
     if config.shards:
@@ -87,6 +93,8 @@ def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
 
 def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
     """The mapping to write: the init_from drafter's (kept) or the top-N of `counts` (built)."""
+    from eaglekit.draft.vocab import VocabMapping, mapping_from_drafter, select_vocab
+
     if config.init_from and not config.rebuild:
         from eaglekit.draft.model import Eagle3Drafter
 
@@ -98,6 +106,8 @@ def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
 
 
 def run(config: Config) -> dict[str, Any]:
+    from eaglekit.draft.vocab import VOCAB_FILE, save_vocab
+
     if not config.output:
         raise EaglekitError("no output directory: pass output=DIR")
     counts, source = count(config)

@@ -19,12 +19,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
-import torch
 
 from eaglekit.errors import EaglekitError
+
+if TYPE_CHECKING:  # torch is imported where a generation runs, so `regen`/`serve --help` stay fast
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,8 @@ class HFBackend:
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
                      on_tokens: Callable[[list[int]], None] | None = None) -> list[EngineOutput]:
         """Batched generation from token ids; each output is cut at its first eos."""
+        import torch
+
         assert prompts and all(prompts), "every prompt needs at least one token"
         assert on_tokens is None or len(prompts) == 1, "streaming needs batch size 1"
         width = max(len(p) for p in prompts)
