@@ -48,3 +48,19 @@ def build_chat_target(directory) -> str:
 def chat_target(tmp_path_factory) -> str:
     """Directory of a tiny random chat model (config.json, weights, tokenizer with a chat template)."""
     return build_chat_target(tmp_path_factory.mktemp("chat_target"))
+
+
+RUN_TOPICS = ["the quick brown fox", "the lazy dog", "hello world", "what is two plus two", "jumps over the dog",
+              "brown fox says hello", "two plus two is four", "the world is lazy"]
+
+
+@pytest.fixture
+def run_prompts(tmp_path) -> str:
+    """A small prompt file (OpenAI messages) for the `eaglekit run` tests."""
+    import json
+
+    path = tmp_path / "prompts.jsonl"
+    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
+               for i, t in enumerate(RUN_TOPICS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)

@@ -14,17 +14,6 @@ from eaglekit.errors import EaglekitError
 from eaglekit.stages import run as run_stage
 from eaglekit.stages.run import Config, plan, resolve_data_path
 
-TOPICS = ["the quick brown fox", "the lazy dog", "hello world", "what is two plus two", "jumps over the dog",
-          "brown fox says hello", "two plus two is four", "the world is lazy"]
-
-
-@pytest.fixture
-def prompts(tmp_path) -> str:
-    path = tmp_path / "prompts.jsonl"
-    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
-               for i, t in enumerate(TOPICS)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 def tiny_run(target: str, data: str, out: Path, **extra) -> Config:
@@ -52,9 +41,9 @@ def statuses(result: dict) -> dict[str, str]:
     return {s["stage"]: s["status"] for s in result["steps"]}
 
 
-def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, prompts, tmp_path, monkeypatch):
+def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, run_prompts, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    config = tiny_run(chat_target, prompts, out)
+    config = tiny_run(chat_target, run_prompts, out)
     from eaglekit.stages import train
 
     real_train = train.run
@@ -101,8 +90,8 @@ def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, promp
     assert (out / "bench.old" / "bench.json").is_file()
 
 
-def test_online_plan_skips_extract_and_trains_on_regenerated_data(chat_target, prompts, tmp_path):
-    config = tiny_run(chat_target, prompts, tmp_path / "run", training="online")
+def test_online_plan_skips_extract_and_trains_on_regenerated_data(chat_target, run_prompts, tmp_path):
+    config = tiny_run(chat_target, run_prompts, tmp_path / "run", training="online")
     steps = {s.name: s for s in plan(config)}
     assert "extract" not in steps
     train = steps["train"].make_config()
@@ -112,28 +101,28 @@ def test_online_plan_skips_extract_and_trains_on_regenerated_data(chat_target, p
     assert steps["vocab"].make_config().max_length == 64  # follows train.max_length in online mode
 
 
-def test_without_regen_stages_read_the_data_as_is(chat_target, prompts, tmp_path):
-    config = tiny_run(chat_target, prompts, tmp_path / "run", stages=["extract", "vocab", "train"])
+def test_without_regen_stages_read_the_data_as_is(chat_target, run_prompts, tmp_path):
+    config = tiny_run(chat_target, run_prompts, tmp_path / "run", stages=["extract", "vocab", "train"])
     steps = {s.name: s for s in plan(config)}
     assert list(steps) == ["extract", "vocab", "train"]
-    assert steps["extract"].make_config().data == (prompts,) and prompts in steps["extract"].inputs
+    assert steps["extract"].make_config().data == (run_prompts,) and run_prompts in steps["extract"].inputs
 
 
-def test_wired_options_and_bad_combinations_are_refused(chat_target, prompts, tmp_path):
+def test_wired_options_and_bad_combinations_are_refused(chat_target, run_prompts, tmp_path):
     with pytest.raises(EaglekitError, match="train.output is set by eaglekit run"):
-        plan(tiny_run(chat_target, prompts, tmp_path, train__output="elsewhere"))
+        plan(tiny_run(chat_target, run_prompts, tmp_path, train__output="elsewhere"))
     with pytest.raises(EaglekitError, match="did you mean 'train.lr'"):
-        tiny_run(chat_target, prompts, tmp_path, train__lrr=1.0)
+        tiny_run(chat_target, run_prompts, tmp_path, train__lrr=1.0)
     with pytest.raises(EaglekitError, match="keep train in stages"):
-        plan(tiny_run(chat_target, prompts, tmp_path, stages=["bench"]))
+        plan(tiny_run(chat_target, run_prompts, tmp_path, stages=["bench"]))
     with pytest.raises(EaglekitError, match="add extract to stages"):
-        plan(tiny_run(chat_target, prompts, tmp_path, stages=["vocab", "train"]))
+        plan(tiny_run(chat_target, run_prompts, tmp_path, stages=["vocab", "train"]))
     with pytest.raises(EaglekitError, match="unknown stages"):
-        plan(tiny_run(chat_target, prompts, tmp_path, stages=["regen", "trian"]))
+        plan(tiny_run(chat_target, run_prompts, tmp_path, stages=["regen", "trian"]))
     with pytest.raises(EaglekitError, match="export_formats"):
-        plan(tiny_run(chat_target, prompts, tmp_path, export_formats=["onnx"]))
+        plan(tiny_run(chat_target, run_prompts, tmp_path, export_formats=["onnx"]))
     with pytest.raises(EaglekitError, match="no data"):
-        plan(dataclasses.replace(tiny_run(chat_target, prompts, tmp_path), data=()))
+        plan(dataclasses.replace(tiny_run(chat_target, run_prompts, tmp_path), data=()))
 
 
 def test_data_shorthands_and_package_paths():
@@ -144,12 +133,12 @@ def test_data_shorthands_and_package_paths():
         resolve_data_path("no/such/file.jsonl")
 
 
-def test_a_stage_launched_under_torchrun_reads_its_resolved_config(chat_target, prompts, tmp_path):
+def test_a_stage_launched_under_torchrun_reads_its_resolved_config(chat_target, run_prompts, tmp_path):
     """The torchrun path writes the stage's resolved config and runs `-m eaglekit <stage> --config` on it."""
-    config = tiny_run(chat_target, prompts, tmp_path / "run", stages=["vocab"])
+    config = tiny_run(chat_target, run_prompts, tmp_path / "run", stages=["vocab"])
     step = plan(config)[0]
     stage_config = step.make_config()
     step.directory.mkdir(parents=True)
     manifest = run_stage.torchrun("vocab", stage_config, 1, step.directory)
-    assert manifest["stage"] == "vocab" and manifest["config"] == dataclasses.asdict(stage_config) | {"data": [prompts]}
+    assert manifest["stage"] == "vocab" and manifest["config"] == dataclasses.asdict(stage_config) | {"data": [run_prompts]}
     assert (step.directory / "launch.yaml").is_file() and (step.directory / "vocab.safetensors").is_file()

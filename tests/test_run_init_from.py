@@ -16,17 +16,6 @@ from eaglekit.errors import EaglekitError
 from eaglekit.stages import run as run_stage
 from eaglekit.stages.run import Config, plan
 
-TOPICS = ["the quick brown fox", "the lazy dog", "hello world", "what is two plus two", "jumps over the dog",
-          "brown fox says hello", "two plus two is four", "the world is lazy"]
-
-
-@pytest.fixture
-def prompts(tmp_path) -> str:
-    path = tmp_path / "prompts.jsonl"
-    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
-               for i, t in enumerate(TOPICS)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 @pytest.fixture
@@ -51,9 +40,9 @@ def fine_tune_run(target: str, data: str, out, init: str, **extra) -> Config:
     return load_config(Config, overrides=values)
 
 
-def test_run_with_init_from_keeps_the_drafters_mapping(chat_target, prompts, init_drafter, tmp_path):
+def test_run_with_init_from_keeps_the_drafters_mapping(chat_target, run_prompts, init_drafter, tmp_path):
     init = str(tmp_path / "init")
-    config = fine_tune_run(chat_target, prompts, tmp_path / "run", init)
+    config = fine_tune_run(chat_target, run_prompts, tmp_path / "run", init)
     steps = {s.name: s for s in plan(config)}
     assert steps["vocab"].make_config().init_from == init and init in steps["train"].inputs
     result = run_stage.run(config)
@@ -69,8 +58,8 @@ def test_run_with_init_from_keeps_the_drafters_mapping(chat_target, prompts, ini
     assert {s.name: s for s in plan(rebuilt)}["vocab"].make_config().rebuild
 
 
-def test_train_device_map_only_online_in_one_process(chat_target, prompts, tmp_path):
-    base = {"target": chat_target, "data": [prompts], "out": str(tmp_path / "run"), "stages": ["vocab", "train"]}
+def test_train_device_map_only_online_in_one_process(chat_target, run_prompts, tmp_path):
+    base = {"target": chat_target, "data": [run_prompts], "out": str(tmp_path / "run"), "stages": ["vocab", "train"]}
     online = load_config(Config, overrides={**base, "training": "online", "train": {"device_map": "auto"}})
     assert {s.name: s for s in plan(online)}["train"].make_config().device_map == "auto"
     for extra in ({"training": "offline", "stages": ["extract", "vocab", "train"]}, {"training": "online", "train_processes": 2}):
