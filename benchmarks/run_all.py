@@ -1,7 +1,9 @@
 """The GPU reference benchmark: the whole eaglekit pipeline on a self-trained target, beside its peers.
 
-    # one H200, two device commands (each part skips what is already on disk under --work):
-    python benchmarks/run_all.py --parts target,pipeline --work runs/reference --out $OUT
+    # one H200, three device commands of < 10 min (each part skips what is already on disk under --work,
+    # and a command cut off by its time limit resumes in the next: regen, extract and train resume):
+    python benchmarks/run_all.py --parts target --work runs/reference --out $OUT             # ~6 min
+    python benchmarks/run_all.py --parts pipeline --work runs/reference --out $OUT           # ~6 min
     python benchmarks/run_all.py --parts bench,speed,summary --work runs/reference --out $OUT
     # the same flow at toy sizes on a CPU, a few minutes:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
