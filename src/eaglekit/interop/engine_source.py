@@ -10,6 +10,7 @@ import importlib.util
 import re
 import sys
 import zipfile
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from eaglekit.errors import EaglekitError
@@ -19,23 +20,24 @@ PACKAGES = {"vllm": "vllm", "sglang": "sglang"}
 TREE_LAYOUTS = ("", "python", "src")
 
 
-class EngineSource:
-    """Read-only access to `<package>/...` files of one engine release."""
+class EngineSource(ABC):
+    """Read-only access to `<package>/...` files of one engine release (a directory tree or a wheel)."""
 
     def __init__(self, package: str, description: str):
         self.package = package
         self.description = description
 
+    @abstractmethod
     def read(self, relative: str) -> str | None:
-        raise NotImplementedError
+        """The text of `relative`, or None when the release has no such file."""
 
+    @abstractmethod
     def list_dir(self, relative: str) -> list[str]:
         """File names (not paths) directly inside `relative`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def python_files(self, prefix: str) -> list[str]:
         """Every .py path under `prefix` (recursive)."""
-        raise NotImplementedError
 
     def exists(self, relative: str) -> bool:
         return self.read(relative) is not None
