@@ -31,6 +31,7 @@ import json
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,16 +114,21 @@ def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...]) -> None:
     run_stage.run(load_config(run_stage.Config, None, overrides))
 
 
-def run_speed(out: Path, smoke: bool) -> None:
-    flag = ["--smoke"] if smoke else []
-    commands = [
-        [sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), *flag, "--out", str(out / "train_speed.json")],
-        [sys.executable, str(ROOT / "benchmarks" / "regen_speed.py"), *flag, *([] if smoke else ["--shape", "8b"]),
-         "--records", "32", "--batch-size", "16", "--max-new-tokens", "64", "--repeats", "2", "--out", str(out / "regen_speed.json")],
-    ]
-    for command in commands:
-        log("running " + " ".join(Path(c).name if c.endswith(".py") else c for c in command[1:]))
-        subprocess.run(command, check=False, timeout=400)
+def run_train_speed(out: Path, smoke: bool, budget_s: float) -> None:
+    """8B-shaped drafter: tokens/s, MFU, peak memory (cases past the budget are skipped, not cut off)."""
+    flags = ["--smoke"] if smoke else ["--modes", "eager,compile", "--attention", "sdpa,flex", "--budget-s", str(budget_s)]
+    _script("train_speed.py", *flags, "--out", str(out / "train_speed.json"))
+
+
+def run_regen_speed(out: Path, smoke: bool) -> None:
+    shape = ["--smoke"] if smoke else ["--shape", "8b"]
+    _script("regen_speed.py", *shape, "--records", "32", "--batch-size", "16", "--max-new-tokens", "64", "--repeats", "2",
+            "--out", str(out / "regen_speed.json"))
+
+
+def _script(name: str, *args: str) -> None:
+    log(f"running {name} {' '.join(args)}")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=560)
 
 
 def summarise(work: Path, out: Path) -> dict:
@@ -154,29 +160,41 @@ def summarise(work: Path, out: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="target,pipeline,bench,speed,summary")
+    parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
+                        help="comma list of: target, pipeline, bench, train_speed, regen_speed (speed = both), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
+    parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else GPU
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    parts = set(args.parts.split(","))
-    start = time.perf_counter()
-    if "target" in parts:
-        build_models(work, sizes)
-    if "pipeline" in parts:
-        run_pipeline(work, sizes, ("regen", "extract", "vocab", "train"))
-    if "bench" in parts:
-        run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export"))
-    if "speed" in parts:
-        run_speed(out, args.smoke)
-    if "summary" in parts:
-        summarise(work, out)
-    log(f"done in {time.perf_counter() - start:.0f}s")
-    return 0
+    parts = [q for p in args.parts.split(",") for q in (("train_speed", "regen_speed") if p == "speed" else (p,))]
+    steps = {
+        "target": lambda: build_models(work, sizes),
+        "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
+        "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export")),
+        "train_speed": lambda: run_train_speed(out, args.smoke, args.train_speed_budget),
+        "regen_speed": lambda: run_regen_speed(out, args.smoke),
+        "summary": lambda: summarise(work, out),
+    }
+    unknown = [p for p in parts if p not in steps]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {', '.join(steps)}")
+    start, failed = time.perf_counter(), []
+    for name in steps:  # in pipeline order, whatever order --parts names them in
+        if name not in parts:
+            continue
+        try:
+            steps[name]()
+        except Exception:  # noqa: BLE001 - a failed part must not cost the figures of the parts after it
+            log(f"part {name} failed:\n{traceback.format_exc()}")
+            failed.append(name)
+        log(f"part {name} done at {time.perf_counter() - start:.0f}s")
+    log(f"done in {time.perf_counter() - start:.0f}s" + (f"; FAILED parts: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

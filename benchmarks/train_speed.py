@@ -225,6 +225,7 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--online-layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=0, help="skip the cases left once this many seconds have passed (0 = none)")
     parser.add_argument("--out", default="benchmarks/results/train_speed.json")
     args = parser.parse_args(argv)
     args.shape = "smoke" if args.smoke else "8b"
@@ -235,6 +236,21 @@ def parse(argv: list[str] | None) -> Any:
     return args
 
 
+def run_case(args: Any, device: torch.device, kind: str, mode: str, attention: str, started: float) -> dict[str, Any]:
+    """One configuration's figures, or why it has none (an error, or the time budget spent)."""
+    if args.budget_s and time.perf_counter() - started > args.budget_s:
+        return {"kind": kind, "mode": mode, "attention": attention, "error": f"skipped: past --budget-s {args.budget_s:.0f}"}
+    try:
+        return (offline_case if kind == "offline" else online_case)(args, device, mode, attention)
+    except Exception as error:  # one failing configuration (e.g. a compile error) must not hide the others
+        traceback.print_exc()
+        return {"kind": kind, "mode": mode, "attention": attention, "error": f"{type(error).__name__}: {error}"}
+    finally:
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from eaglekit.manifest import environment
 
@@ -242,25 +258,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     cases = [("offline", m, a) for m in args.modes.split(",") for a in args.attention.split(",")]
     cases += [("online", *c.split(":")) for c in args.online.split(",") if c]
-    results = []
-    for kind, mode, attention in cases:
-        try:
-            run = offline_case if kind == "offline" else online_case
-            results.append(run(args, device, mode, attention))
-        except Exception as error:  # one failing configuration (e.g. a compile error) must not hide the others
-            traceback.print_exc()
-            results.append({"kind": kind, "mode": mode, "attention": attention, "error": f"{type(error).__name__}: {error}"})
-        finally:
-            torch._dynamo.reset()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        print(table(results[-1:]).splitlines()[-1], flush=True)
+    results, started = [], time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "train_speed", "environment": environment(), "device": str(device),
-              "config": {k: v for k, v in vars(args).items()}, "results": results}
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(table(results) + "\n")
+    for kind, mode, attention in cases:
+        results.append(run_case(args, device, kind, mode, attention, started))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+        report = {"benchmark": "train_speed", "environment": environment(), "device": str(device),
+                  "config": {k: v for k, v in vars(args).items()}, "results": results}
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")  # after every case: a cut-off run keeps its figures
+        out.with_suffix(".md").write_text(table(results) + "\n")
     print(table(results))
     return results
 

@@ -74,3 +74,26 @@ def test_bench_checks_methods():
     assert bench._check(no_assistant) == ["plain"]  # HF assisted generation needs assistant=: skipped
     with pytest.raises(EaglekitError, match="need drafter=DIR"):
         bench.run(load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", "methods=tree"]))
+
+
+def test_bench_keeps_other_methods_when_one_fails(chat_target, tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    real = bench._Runner.__call__
+
+    def broken(self, method, ids, temperature):
+        if method == "hf_prompt_lookup":
+            raise RuntimeError("lookup exploded")
+        return real(self, method, ids, temperature)
+
+    monkeypatch.setattr(bench._Runner, "__call__", broken)
+    out = tmp_path / "bench"
+    config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"output={out}",
+                                                  "methods=plain,hf_prompt_lookup,hf", "temperatures=0.0", "max_new_tokens=4",
+                                                  "repeats=1", "warmup=0", "device=cpu"])
+    with pytest.raises(EaglekitError, match=r"1 method\(s\) failed.*hf_prompt_lookup T=0 \(RuntimeError: lookup exploded\)"):
+        bench.run(config)
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "hf_prompt_lookup", "hf"]
+    assert rows[0]["tokens_per_second"] > 0 and rows[2]["tokens_per_second"] > 0 and "error" in rows[1]
+    assert "failed: RuntimeError" in (out / "bench.md").read_text()

@@ -100,3 +100,57 @@ def test_static_rejects_moe_and_bad_options():
         generate(target, None, PROMPT, 4, method="tree")
     with pytest.raises(EaglekitError, match="unknown decode method"):
         generate(target, None, PROMPT, 4, method="beam")
+
+
+def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
+    """compile=True traced on the CPU (a frame-counting backend instead of inductor + CUDA graphs): the same
+    tokens as the eager path, the whole tree draft is one graph, and decoding more steps adds no graphs."""
+    from torch._dynamo.testing import CompileCounter
+
+    from eaglekit.decode import static
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    monkeypatch.setattr(static, "COMPILE_OPTIONS", {"backend": counter, "fullgraph": True, "dynamic": False})
+    target = tiny_target("llama")
+    drafter = random_drafter(target)
+    reference = hf_greedy(target, NEW)
+    oracle = OracleDrafter(PROMPT + reference, target.config.num_hidden_layers)
+    tree = dict(method="tree", depth=3, tree_top_k=3, total_tokens=8)
+    decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
+    assert decoder.generate(PROMPT, NEW, **tree).tokens == reference
+    graphs = counter.frame_count
+    assert graphs == 3  # the target verify step, the whole draft (3 levels, top-k, selection, mask), the padded extend
+    assert decoder.generate(PROMPT[:4], 2 * NEW, **tree).tokens == generate(target, drafter, PROMPT[:4], 2 * NEW, **tree).tokens
+    assert counter.frame_count == graphs  # positions and cache lengths are graph inputs, not constants
+    for kwargs in (dict(method="chain", chain_length=3), dict(tree, temperature=1.0, seed=3), dict(method="chain", temperature=1.0, seed=3)):
+        fast = decoder.generate(PROMPT, NEW, **kwargs)
+        assert fast.tokens == generate(target, drafter, PROMPT, NEW, **kwargs).tokens, kwargs
+    fast = Decoder(target, None, backend="static", compile=True, max_length=128).generate(PROMPT, NEW, method="plain")
+    assert fast.tokens == reference
+    assert generate(target, oracle, PROMPT, NEW, backend="static", compile=True, **tree).tokens == reference
+
+
+def test_compiled_padded_extend_equals_eager(monkeypatch):
+    """The compiled drafter extend pads every accepted-path length to one shape; its outputs and the
+    cache it leaves behind (seen by the next draft step) equal the eager extend's."""
+    from eaglekit.decode import static
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(static, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True, "dynamic": False})
+    target = tiny_target("llama")
+    drafter = random_drafter(target)
+    width = 3 * target.config.hidden_size
+    backends = [static.StaticDrafter(drafter, 64, 6, compile=c, max_extend=4) for c in (False, True)]
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        start = 0
+        for t in (5, 3, 1, 4, 2):  # a prefill, then accepted paths of every length up to max_extend
+            aux, ids = torch.randn(t, width), torch.randint(0, target.config.vocab_size, (t,))
+            positions = torch.arange(start, start + t)
+            (h0, l0), (h1, l1) = (b.extend(aux, ids, positions) for b in backends)
+            torch.testing.assert_close(h1, h0)
+            torch.testing.assert_close(l1, l0)
+            start += t
+            step = [b.draft_step(h0[-1:], ids[-1:], torch.tensor([start]), torch.ones(1, 1, dtype=torch.bool)) for b in backends]
+            torch.testing.assert_close(step[1][1], step[0][1])

@@ -19,6 +19,7 @@ variable-length output and the EOS check need.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -91,8 +92,11 @@ class GenerateResult:
 
 
 def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor,
-          start: int, options: DecodeOptions, vocab_size: int, generator: torch.Generator | None) -> DraftTree:
-    """Grow a chain or EAGLE-2 tree from the root. root_hidden (H,), root_logits (Vd,), root_token ()."""
+          start: int | torch.Tensor, options: DecodeOptions, vocab_size: int, generator: torch.Generator | None) -> DraftTree:
+    """Grow a chain or EAGLE-2 tree from the root. root_hidden (H,), root_logits (Vd,), root_token ().
+
+    Every shape depends on `options` alone and nothing is read back to the host, so for deterministic
+    drafts (trees, greedy chains) the whole function can run as one captured graph (`static.py`)."""
     chain = options.method == "chain"
     width, depth = (1, options.chain_length) if chain else (options.tree_top_k, options.depth)
     sampled = chain and options.temperature > 0
@@ -123,7 +127,7 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
         parent = slots[pick]
         ancestry = extend_ancestry(ancestry, f_slot[parent])
         used = ancestry.shape[0] - pick.shape[0]
-        positions = torch.full_like(pick, start + level - 1)
+        positions = torch.zeros_like(pick) + (start + level - 1)  # `start` may be a 0-d tensor (compiled graph)
         f_hidden, f_logits = drafter_backend.draft_step(f_hidden[parent], tokens[pick], positions, ancestry[used:])
         f_scores, f_pool = scores[pick], offset + pick
         f_slot = used + torch.arange(pick.shape[0], device=device)
@@ -134,6 +138,14 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
     if sampled:
         tree.draft_probs = torch.cat([torch.zeros_like(cat["q"][:1]), cat["q"]])  # chain keeps every node
     return tree
+
+
+def grow_tree(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor,
+              start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
+              generator: torch.Generator | None) -> tuple[DraftTree, torch.Tensor]:
+    """`draft` plus the tree's (N, N) ancestors-or-self matrix, which is the verify attention mask."""
+    tree = draft(drafter_backend, drafter, root_hidden, root_logits, root_token, start, options, vocab_size, generator)
+    return tree, ancestor_matrix(tree.parents, options.draft_depth)
 
 
 def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, options: DecodeOptions, generator) -> Verdict:
@@ -202,9 +214,10 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     elif not done:
         hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
                                                       torch.arange(n, device=device))
+        # a backend may run the whole draft as one graph (static fast path); the reference grows it step by step
+        grow = getattr(drafter_backend, "grow_tree", None) or functools.partial(grow_tree, drafter_backend)
         while not done:
-            tree = draft(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options, vocab_size, generator)
-            ancestors = ancestor_matrix(tree.parents, options.draft_depth)  # (N, N) = the tree attention mask
+            tree, ancestors = grow(drafter, hidden[-1], draft_logits[-1], token, m, options, vocab_size, generator)
             logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestors)
             stats.target_forwards += 1
             verdict = verify(tree, ancestors, logits, options, generator)

@@ -5,18 +5,25 @@ a boolean mask over the whole buffer (True = attend), RoPE tables precomputed on
 forward reuses the loaded HF model's own modules (q/k/v/o projections, optional q_norm/k_norm,
 norms, MLP, embedding, lm_head), so no weights are copied and Llama, Mistral, Qwen2 (qkv bias) and
 Qwen3 (q/k norm) all run through it; anything else (MoE, MLA, sliding windows) uses the eager
-backend. With `compile=True` the fixed-shape steps (target verify / plain step, drafter tree steps)
-run under `torch.compile(mode="reduce-overhead")` (CUDA graphs on GPU); the prefill and the drafter's
-variable-length feature pass stay eager. Tests compare every output with the eager reference.
+backend. With `compile=True` the fixed-shape work runs under `torch.compile(mode="reduce-overhead")`
+(CUDA graphs on GPU): the target's verify / plain step, the drafter's extend (padded to the longest
+accepted path) and the WHOLE deterministic draft of a step (every level, top-k, tree selection and the
+ancestor mask in one graph; sampled chains go step by step). Only the two prefills run eagerly, so a
+speculative step is three graph replays plus verification. Tests compare every output with the eager
+reference.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from eaglekit.decode.tree import DraftTree
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import find_decoder, text_config
 
@@ -118,8 +125,18 @@ class StaticLlama(nn.Module):
         return logits, aux
 
 
+# how fixed-shape steps are compiled (tests swap in backend="aot_eager" to trace the same graphs on a CPU)
+COMPILE_OPTIONS = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
+
+
 def _compiled(fn, enabled: bool):
-    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False) if enabled else fn
+    return torch.compile(fn, **COMPILE_OPTIONS) if enabled else fn
+
+
+def _static_buffers(module: nn.Module) -> None:
+    """Mark a module's cache buffers as fixed addresses, so CUDA graphs write them in place (no copies)."""
+    for buffer in module.buffers():
+        torch._dynamo.mark_static_address(buffer)
 
 
 def _call(fn, compiled: bool, *args):
@@ -146,6 +163,8 @@ class StaticTarget:
         self.capacity, self.length, self.last_length = capacity, 0, 0
         self.compile = compile
         self.step = _compiled(self.net, compile)
+        if compile:
+            _static_buffers(self.net)
 
     def reset(self) -> None:
         """Forget the cached sequence (the buffers are reused; stale slots are masked out)."""
@@ -223,37 +242,90 @@ class StaticDrafter:
     """Drafter backend over `_StaticDraftNet` (same methods as `backends.EagerDrafter`).
 
     Slots [0, capacity) hold target-feature positions; [capacity, capacity + draft_slots) this step's drafts.
+    With `compile`, a deterministic draft (any tree, a greedy chain) runs as ONE captured graph per
+    options shape (`grow_tree`): every level's drafter step, top-k, tree selection and the ancestor mask,
+    with no host round trip; sampled chains run step by step, each step compiled.
     """
 
-    def __init__(self, drafter: nn.Module, capacity: int, draft_slots: int, compile: bool = False):
+    def __init__(self, drafter: nn.Module, capacity: int, draft_slots: int, compile: bool = False, max_extend: int = 8):
         self.net = _StaticDraftNet(drafter, capacity, draft_slots)
+        self.max_extend = max_extend  # longest accepted path + 1: compiled extends are padded to it
         self.device = self.net.cos.device
         self.capacity, self.total = capacity, capacity + draft_slots
         self.stable_length = 0
         self.compile = compile
         self.step = _compiled(self.net, compile)
+        self._columns = torch.arange(self.total, device=self.device)  # (capacity + draft_slots,)
+        self._graphs: dict = {}  # compiled whole drafts, by the options that fix their shapes
+        self._extend_step = _compiled(self._extend, compile)
+        if compile:
+            _static_buffers(self.net)
 
     def reset(self) -> None:
         self.stable_length = 0
 
-    def _mask(self, rows: int) -> torch.Tensor:
-        mask = torch.zeros(rows, self.total, dtype=torch.bool, device=self.device)
-        mask[:, : self.stable_length] = True
-        return mask
-
     def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
+        t, stable = next_ids.shape[0], self.stable_length
+        self.stable_length += t
+        pad = self.max_extend - t
+        if not self.compile or stable == 0 or pad < 0 or stable + self.max_extend > self.capacity:
+            return self._extend(aux, next_ids, positions, stable)  # the prefill (one variable shape) runs eagerly
+        # after the prefill T = accepted + 1 varies; padded to max_extend it is one graph. Padding rows write
+        # K/V past the new stable length, where nothing reads them before the next extend overwrites them.
+        aux, next_ids, positions = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad), value=0) for x in (aux, next_ids, positions))
+        hidden, logits = _call(self._extend_step, True, aux, next_ids, positions, torch.tensor(stable, device=self.device))
+        return hidden[:t], logits[:t]
+
+    def _extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, stable: int | torch.Tensor):
+        """Append T feature positions after the first `stable`: row r sees columns <= stable + r."""
         t = next_ids.shape[0]
         feature = self.net.drafter.fuse(aux.to(self.net.cos.dtype))  # (T, H)
-        mask = self._mask(t)
-        mask[:, self.stable_length : self.stable_length + t] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        slots = torch.arange(self.stable_length, self.stable_length + t, device=self.device)
-        hidden, logits = self.net(feature, next_ids, positions, slots, mask[None, None])  # variable T: eager
-        self.stable_length += t
-        return hidden, logits
+        offsets = torch.arange(t, device=self.device)
+        mask = self._columns[None] <= stable + offsets[:, None]  # (T, capacity + draft_slots)
+        return self.net(feature, next_ids, positions, stable + offsets, mask[None, None])
 
-    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+    def step_inputs(self, ids: torch.Tensor, visible: torch.Tensor, stable: int | torch.Tensor):
+        """Cache slots and the (1, 1, k, capacity + draft_slots) mask of a draft step of k nodes that see
+        the first `stable` feature positions and, among the draft slots, `visible` (k, E + k)."""
         k, used = ids.shape[0], visible.shape[1] - ids.shape[0]
-        mask = self._mask(k)
+        mask = (self._columns < stable).expand(k, -1).clone()
         mask[:, self.capacity : self.capacity + used + k] = visible
         slots = self.capacity + used + torch.arange(k, device=self.device)
-        return _call(self.step, self.compile, hidden, ids, positions, slots, mask[None, None])
+        return slots, mask[None, None]
+
+    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        slots, mask = self.step_inputs(ids, visible, self.stable_length)
+        return _call(self.step, self.compile, hidden, ids, positions, slots, mask)
+
+    def grow_tree(self, drafter, root_hidden, root_logits, root_token, start: int, options, vocab_size: int, generator):
+        """`engine.grow_tree`, as one compiled graph where the draft is deterministic."""
+        from eaglekit.decode.engine import grow_tree
+
+        if not self.compile or (options.method == "chain" and options.temperature > 0):
+            return grow_tree(self, drafter, root_hidden, root_logits, root_token, start, options, vocab_size, generator)
+        # only the fields that fix the graph's shapes; sampling settings, EOS and seed do not enter it
+        shape = replace(options, temperature=0.0, top_k=0, top_p=1.0, eos_token_ids=(), seed=0)
+        if shape not in self._graphs:
+            self._graphs[shape] = _compiled(functools.partial(self._draft_graph, options=shape, vocab_size=vocab_size), True)
+        start_t, stable_t = torch.tensor([start, self.stable_length], device=self.device).unbind()
+        tokens, parents, depths, ancestors = _call(self._graphs[shape], True, root_hidden, root_logits, root_token, start_t, stable_t)
+        return DraftTree(tokens, parents, depths), ancestors
+
+    def _draft_graph(self, root_hidden, root_logits, root_token, start, stable, *, options, vocab_size):
+        from eaglekit.decode.engine import grow_tree
+
+        tree, ancestors = grow_tree(_GraphSteps(self, stable), self.net.drafter, root_hidden, root_logits, root_token,
+                                    start, options, vocab_size, None)
+        return tree.tokens, tree.parents, tree.depths, ancestors
+
+
+class _GraphSteps:
+    """The drafter backend `engine.draft` sees inside the compiled whole-draft graph: plain calls of the
+    step module (the graph is captured once around all of them), the stable length as a tensor."""
+
+    def __init__(self, owner: StaticDrafter, stable: torch.Tensor):
+        self.owner, self.stable = owner, stable
+
+    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        slots, mask = self.owner.step_inputs(ids, visible, self.stable)
+        return self.owner.net(hidden, ids, positions, slots, mask)

@@ -141,6 +141,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     from eaglekit.manifest import atomic_path
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = [r for r in rows if "error" not in r]
     for row in rows:
         if "acceptance_per_position" in row:
             rates = row["acceptance_per_position"]
@@ -160,6 +161,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = ["| method | T | tokens/s | ms/token | tau | acceptance per position |", "|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['temperature']:g} | failed: {r['error'][:100]} | | | |")
+            continue
         rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_second'] or 0:.1f} | {r['ms_per_token'] or 0:.2f} | {tau} | {rates} |")
@@ -203,9 +207,15 @@ def run(config: Config) -> dict[str, Any]:
     backend = resolve_backend(config.backend, target)
     runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device,
                      max(len(p) for p in prompts))
-    rows = [_measure(runner, m, t, prompts, config) for t in config.temperatures for m in methods]
-    for row in rows:
-        log.info("%s", row)
+    rows = []
+    for temperature in config.temperatures:
+        for method in methods:
+            try:
+                rows.append(_measure(runner, method, temperature, prompts, config))
+            except Exception as error:  # noqa: BLE001 - one failing method must not lose the others' figures
+                log.exception("bench: %s at T=%g failed", method, temperature)
+                rows.append({"method": method, "temperature": temperature, "error": f"{type(error).__name__}: {error}"})
+            log.info("%s", rows[-1])
     output = Path(config.output)
     output.mkdir(parents=True, exist_ok=True)
     result = {"rows": rows, "backend": backend, "num_prompts": len(prompts), "config": to_dict(config), "environment": environment()}
@@ -215,4 +225,7 @@ def run(config: Config) -> dict[str, Any]:
     save_resolved(config, output)
     write_manifest(output, "bench", {"outputs": ["bench.json", "bench.md", "bench.png"]})
     print(_table(rows))
+    failed = [f"{r['method']} T={r['temperature']:g} ({r['error']})" for r in rows if "error" in r]
+    if failed:
+        raise EaglekitError(f"bench: {len(failed)} method(s) failed, the others' figures are in {output}: " + "; ".join(failed))
     return result
