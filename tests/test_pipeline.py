@@ -105,3 +105,13 @@ def test_fingerprint_hashes_small_files_by_content_and_large_ones_by_size(tmp_pa
     assert changed != before
     (folder / ".run-key").write_text("x")  # hidden files are ignored
     assert pipeline.fingerprint([folder]) == changed
+
+
+def test_git_commit_prefers_the_named_tree(monkeypatch):
+    """A copied working tree (a GPU box) names its commit; a stale .git there must not win."""
+    from eaglekit.manifest import git_commit
+
+    monkeypatch.setenv("EAGLEKIT_COMMIT", "6a52322")
+    assert git_commit() == "6a52322"
+    monkeypatch.delenv("EAGLEKIT_COMMIT")
+    assert git_commit() != "6a52322"

@@ -53,14 +53,15 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def git_commit() -> str | None:
-    """The eaglekit checkout's commit, when run from one."""
+    """The eaglekit checkout's commit: $EAGLEKIT_COMMIT when set (whoever copies a working tree elsewhere,
+    e.g. to a GPU box whose copy of .git may be stale, names the tree), else `git rev-parse HEAD`."""
+    if os.environ.get("EAGLEKIT_COMMIT"):
+        return os.environ["EAGLEKIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        out = None
-    if out is not None and out.returncode == 0 and out.stdout.strip():
-        return out.stdout.strip()
-    return os.environ.get("EAGLEKIT_COMMIT")  # set by whoever copies a checkout without .git (e.g. to a GPU box)
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
 def environment() -> dict[str, Any]:
