@@ -154,3 +154,39 @@ def test_compiled_padded_extend_equals_eager(monkeypatch):
             start += t
             step = [b.draft_step(h0[-1:], ids[-1:], torch.tensor([start]), torch.ones(1, 1, dtype=torch.bool)) for b in backends]
             torch.testing.assert_close(step[1][1], step[0][1])
+
+
+class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ops that move data between host and device: tensors made from host data (`torch.tensor`), and
+    scalar reads (`.item()`, indexing with a 0-d tensor). On a GPU each is a copy, most a synchronisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend,compiled", [("eager", False), ("static", False), ("static", True)])
+def test_greedy_speculative_steps_make_no_host_transfers(backend, compiled, monkeypatch):
+    """Besides the verify step's one `.tolist()` (not dispatched, so not counted here), a greedy step adds no
+    host<->device traffic: decoding 3x as many tokens makes exactly as many transfers (the prefill's)."""
+    from eaglekit.decode import static
+
+    # compile=True takes the graph paths (the whole draft, the padded extend); here they run uncompiled, since
+    # dynamo does not trace under a dispatch mode
+    monkeypatch.setattr(static, "_compiled", lambda fn, enabled: fn)
+    target = tiny_target("llama")
+    decoder = Decoder(target, random_drafter(target), backend=backend, compile=compiled, max_length=128)
+    for method in ("tree", "chain"):
+        counts = []
+        for new in (NEW, 3 * NEW):
+            decoder.generate(PROMPT, new, method=method, depth=3, tree_top_k=3, total_tokens=8)  # compiles outside the count
+            with _HostTraffic() as traffic:
+                result = decoder.generate(PROMPT, new, method=method, depth=3, tree_top_k=3, total_tokens=8)
+            counts.append(traffic.count)
+            assert len(result.stats.accepted) > new // 2  # many steps: a per-step transfer could not hide
+        assert counts[0] == counts[1], (method, counts)

@@ -2,8 +2,8 @@
 growing KV cache. The fast static-cache backends in `eaglekit.decode.static` have the same methods.
 
 Target backend:  forward(ids (T,), positions (T,), mask (T, T) bool over the new tokens) ->
-                 (logits (T, V), aux (T, 3H) or None); keep(nodes) compacts the cache so that of the
-                 last forward only those tokens remain, in that order.
+                 (logits (T, V), aux (T, 3H) or None); keep(nodes (K,) long) compacts the cache so that of
+                 the last forward only those tokens remain, in that order.
 Drafter backend: extend(aux (T, 3H_t), next_ids (T,), positions (T,)) -> (hidden (T, H), logits (T, Vd))
                  appends target-feature positions to the stable cache and drops earlier draft slots;
                  draft(hidden (k, H), ids (k,), positions (k,), visible (k, E+k) bool over draft slots)
@@ -86,12 +86,12 @@ class HFTarget:
         self.last_length = ids.shape[0]
         return logits, aux
 
-    def keep(self, nodes: list[int]) -> None:
+    def keep(self, nodes: torch.Tensor) -> None:
         base = self.length - self.last_length
-        keep = torch.cat([torch.arange(base, device=self.device), base + torch.tensor(nodes, device=self.device)])
+        keep = torch.cat([torch.arange(base, device=self.device), base + nodes])
         compact_hf_cache(self.cache, keep)
-        self.length = base + len(nodes)
-        self.last_length = len(nodes)
+        self.length = base + nodes.shape[0]
+        self.last_length = nodes.shape[0]
 
 
 class EagerDrafter:

@@ -13,8 +13,8 @@ Positions: the root sits at position m (the number of tokens the target has cach
 d at m + d. The drafter step for position t reads (feature of t, token t+1), so a depth-d node is fed
 at drafter position m + d - 1 with its parent's output hidden state.
 The loop is shared by the eager reference backends (`backends.py`) and the static fast path
-(`static.py`); host synchronisation is one small transfer per step (the accepted path), which the
-variable-length output and the EOS check need.
+(`static.py`); with greedy verification a step has exactly one host synchronisation (the accepted
+path, which the variable-length output and the EOS check need) and no host-to-device copies.
 """
 
 from __future__ import annotations
@@ -222,12 +222,13 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
             stats.target_forwards += 1
             verdict = verify(tree, ancestors, logits, options, generator)
             stats.accepted.append(verdict.num_accepted)
-            target_backend.keep(verdict.path)
+            # greedy verification hands the path back on the device: copying it up again would be a second sync
+            path = verdict.path_tensor if verdict.path_tensor is not None else torch.tensor(verdict.path, device=device)
+            target_backend.keep(path)
             done = out.add(verdict.tokens + [verdict.bonus])
             if done:
                 break
-            path = torch.tensor(verdict.path, device=device)
-            token = torch.tensor(verdict.bonus, device=device)
+            token = (verdict.bonus_tensor if verdict.bonus_tensor is not None else torch.tensor([verdict.bonus], device=device))[0]
             next_ids = torch.cat([tree.tokens[path[1:]], token.reshape(1)])
             hidden, draft_logits = drafter_backend.extend(aux[path], next_ids, m + torch.arange(len(verdict.path), device=device))
             m += len(verdict.path)

@@ -147,10 +147,10 @@ def _call(fn, compiled: bool, *args):
     return tuple(None if o is None else o.clone() for o in fn(*args))
 
 
-def _compact(buffer: torch.Tensor, dim: int, base: int, nodes: list[int]) -> None:
-    """Move slots base + nodes to base, base+1, ... along `dim` of a KV buffer, in place."""
-    src = base + torch.tensor(nodes, device=buffer.device)
-    dst = base + torch.arange(len(nodes), device=buffer.device)
+def _compact(buffer: torch.Tensor, dim: int, base: int, nodes: torch.Tensor) -> None:
+    """Move slots base + nodes (K,) to base, base+1, ... along `dim` of a KV buffer, in place."""
+    src = base + nodes
+    dst = base + torch.arange(nodes.shape[0], device=buffer.device)
     buffer.index_copy_(dim, dst, buffer.index_select(dim, src))
 
 
@@ -163,6 +163,7 @@ class StaticTarget:
         self.capacity, self.length, self.last_length = capacity, 0, 0
         self.compile = compile
         self.step = _compiled(self.net, compile)
+        self._columns = torch.arange(capacity, device=self.device)
         if compile:
             _static_buffers(self.net)
 
@@ -174,8 +175,7 @@ class StaticTarget:
         t = ids.shape[0]
         if self.length + t > self.capacity:
             raise EaglekitError(f"static KV cache full ({self.capacity} slots); raise max_length")
-        full = torch.zeros(t, self.capacity, dtype=torch.bool, device=self.device)
-        full[:, : self.length] = True
+        full = (self._columns < self.length).expand(t, -1).clone()  # the cached prefix, then the new tokens' mask
         full[:, self.length : self.length + t] = mask
         slots = torch.arange(self.length, self.length + t, device=self.device)
         use_compiled = self.compile and self.length > 0  # prefill (one variable shape) runs eagerly
@@ -185,11 +185,11 @@ class StaticTarget:
         self.last_length = t
         return logits, aux
 
-    def keep(self, nodes: list[int]) -> None:
+    def keep(self, nodes: torch.Tensor) -> None:
         base = self.length - self.last_length
         _compact(self.net.kv_cache, 4, base, nodes)
-        self.length = base + len(nodes)
-        self.last_length = len(nodes)
+        self.length = base + nodes.shape[0]
+        self.last_length = nodes.shape[0]
 
 
 class _StaticDraftNet(nn.Module):
@@ -273,7 +273,7 @@ class StaticDrafter:
         # after the prefill T = accepted + 1 varies; padded to max_extend it is one graph. Padding rows write
         # K/V past the new stable length, where nothing reads them before the next extend overwrites them.
         aux, next_ids, positions = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad), value=0) for x in (aux, next_ids, positions))
-        hidden, logits = _call(self._extend_step, True, aux, next_ids, positions, torch.tensor(stable, device=self.device))
+        hidden, logits = _call(self._extend_step, True, aux, next_ids, positions, torch.full((), stable, device=self.device))
         return hidden[:t], logits[:t]
 
     def _extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, stable: int | torch.Tensor):
@@ -307,7 +307,7 @@ class StaticDrafter:
         shape = replace(options, temperature=0.0, top_k=0, top_p=1.0, eos_token_ids=(), seed=0)
         if shape not in self._graphs:
             self._graphs[shape] = _compiled(functools.partial(self._draft_graph, options=shape, vocab_size=vocab_size), True)
-        start_t, stable_t = torch.tensor([start, self.stable_length], device=self.device).unbind()
+        start_t, stable_t = (torch.full((), x, dtype=torch.long, device=self.device) for x in (start, self.stable_length))  # fills, not copies
         tokens, parents, depths, ancestors = _call(self._graphs[shape], True, root_hidden, root_logits, root_token, start_t, stable_t)
         return DraftTree(tokens, parents, depths), ancestors
 

@@ -28,6 +28,8 @@ class Verdict:
     path: list[int]  # accepted node indices, root first (len = accepted drafts + 1)
     tokens: list[int]  # the accepted draft tokens (the path's nodes after the root)
     bonus: int  # the target's own next token after the last accepted node
+    path_tensor: torch.Tensor | None = None  # `path` already on the device (greedy), so the loop need not copy it back
+    bonus_tensor: torch.Tensor | None = None  # (1,) `bonus` on the device (greedy)
 
     @property
     def num_accepted(self) -> int:
@@ -41,16 +43,18 @@ def verify_greedy(
     target_ids: torch.Tensor,  # (N,) target argmax after each node
 ) -> Verdict:
     """Longest correct root path, computed on the device with a single transfer to the host."""
-    correct = tokens == target_ids[parents.clamp(min=0)]  # (N,)
-    correct[0] = True  # the root is the target's own token
+    correct = (tokens == target_ids[parents.clamp(min=0)]) | (parents < 0)  # (N,) the root is the target's own token
     path_ok = ~(ancestors & ~correct[None, :]).any(dim=1)  # (N,) every ancestor-or-self correct
     depth = ancestors.sum(dim=1)  # (N,) 1 + depth
-    best = torch.argmax(torch.where(path_ok, depth, torch.zeros_like(depth)))  # first deepest correct node
+    best = torch.argmax(torch.where(path_ok, depth, torch.zeros_like(depth))).reshape(1)  # first deepest correct node
+    on_path = ancestors.index_select(0, best)[0]  # (N,) tensor indexing, not `[best]`: that would read `best` back
+    bonus = target_ids.index_select(0, best)  # (1,)
+    order = torch.sort((~on_path).to(torch.uint8), stable=True).indices  # path nodes first, in tree order
     n = tokens.shape[0]
-    packed = torch.cat([ancestors[best].long(), tokens, target_ids[best].reshape(1)])  # one host sync below
-    host = packed.tolist()
+    host = torch.cat([on_path.long(), tokens, bonus]).tolist()  # the one host sync of a step
     path = [i for i, on in enumerate(host[:n]) if on]
-    return Verdict(path=path, tokens=[host[n + i] for i in path[1:]], bonus=int(host[-1]))
+    return Verdict(path=path, tokens=[host[n + i] for i in path[1:]], bonus=int(host[-1]),
+                   path_tensor=order[: len(path)], bonus_tensor=bonus)
 
 
 def recursive_rejection(
