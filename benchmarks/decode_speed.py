@@ -1,6 +1,7 @@
 """Plain batch-1 decoding speed: eaglekit's static fast path vs HF `generate` vs the bandwidth bound.
 
     python benchmarks/decode_speed.py --output runs/decode_speed.json          # GPU, 8B-shaped Llama, bf16
+    python benchmarks/decode_speed.py --shape reference --output X.json     # GPU, the reference target's shape
     python benchmarks/decode_speed.py --smoke --output /tmp/decode_speed.json  # CPU, tiny shapes
 
 The model is an 8B-shaped Llama with random weights (built on the meta device, materialised on the
@@ -29,6 +30,9 @@ from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
 
 SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
+# the shape of run_all's reference target: what its speculative speed-up is measured on
+SHAPE_REFERENCE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=24, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=8192)
 SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=512)
 
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (proves the script runs)")
     parser.add_argument("--output", default="runs/decode_speed.json")
+    parser.add_argument("--shape", default="8b", choices=("8b", "reference"), help="8B-shaped Llama, or the reference target's shape")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="static path without torch.compile")
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     new_tokens = 16 if args.smoke else args.new_tokens
     compile_ = device.type == "cuda" and not args.no_compile
-    model = build_model(SHAPE_SMOKE if args.smoke else SHAPE_8B, device, dtype)
+    shape = SHAPE_SMOKE if args.smoke else SHAPE_8B if args.shape == "8b" else SHAPE_REFERENCE
+    model = build_model(shape, device, dtype)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(device, 64 if args.smoke else 2048, args.repeats)
     prompt = list(range(1, 33))
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     fast_tps = new_tokens / fast_seconds
     hf_tps = new_tokens / hf_seconds
     result = {
-        "device": str(device), "dtype": str(dtype), "shape": SHAPE_SMOKE if args.smoke else SHAPE_8B, "smoke": args.smoke,
+        "device": str(device), "dtype": str(dtype), "shape": shape, "smoke": args.smoke,
         "model_bytes": model_bytes, "copy_bandwidth_bytes_per_s": bandwidth, "bound_tokens_per_s": bound,
         "new_tokens": new_tokens, "compile": compile_,
         "hf_generate_tokens_per_s": hf_tps, "eaglekit_plain_tokens_per_s": fast_tps,

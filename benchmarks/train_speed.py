@@ -2,6 +2,7 @@
 
     python benchmarks/train_speed.py                          # CUDA: grid of eager/compile x sdpa/flex + online
     python benchmarks/train_speed.py --modes compile --attention flex --batch-size 4 --seq-len 2048
+    python benchmarks/train_speed.py --cases offline:compile:flex,online:compile:flex --budget-s 300
     python benchmarks/train_speed.py --smoke                  # CPU, tiny shapes, seconds
 
 Offline-style step (what `eaglekit train shards=...` does per micro-batch, minus reading shards): random
@@ -222,6 +223,7 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--modes", default="eager,compile")
     parser.add_argument("--attention", default="sdpa,flex")
     parser.add_argument("--online", default="compile:sdpa", help="mode:attention cases for online runs ('' = none)")
+    parser.add_argument("--cases", default="", help="explicit kind:mode:attention list, run in this order (overrides the three above)")
     parser.add_argument("--online-layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -256,8 +258,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     args = parse(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    cases = [("offline", m, a) for m in args.modes.split(",") for a in args.attention.split(",")]
-    cases += [("online", *c.split(":")) for c in args.online.split(",") if c]
+    if args.cases:
+        cases = [tuple(c.split(":")) for c in args.cases.split(",")]
+    else:
+        cases = [("offline", m, a) for m in args.modes.split(",") for a in args.attention.split(",")]
+        cases += [("online", *c.split(":")) for c in args.online.split(",") if c]
+    bad = [c for c in cases if len(c) != 3 or c[0] not in ("offline", "online") or c[1] not in ("eager", "compile")]
+    if bad:
+        raise SystemExit(f"bad cases {bad}: write kind:mode:attention, e.g. offline:compile:flex,online:eager:sdpa")
     results, started = [], time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
