@@ -1,7 +1,7 @@
 """Plain batch-1 decoding speed: eaglekit's static fast path vs HF `generate` vs the bandwidth bound.
 
     python benchmarks/decode_speed.py --output runs/decode_speed.json          # GPU, 8B-shaped Llama, bf16
-    python benchmarks/decode_speed.py --shape reference --output X.json     # GPU, the reference target's shape
+    python benchmarks/decode_speed.py --shape reference --output X.json --profile X.txt  # the reference shape, profiled
     python benchmarks/decode_speed.py --smoke --output /tmp/decode_speed.json  # CPU, tiny shapes
 
 The model is an 8B-shaped Llama with random weights (built on the meta device, materialised on the
@@ -79,7 +79,8 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
     return 2 * src.numel() / seconds
 
 
-def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: int, compile_: bool, repeats: int) -> dict:
+def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: int, compile_: bool, repeats: int,
+                          profile: dict[str, str] | None = None) -> dict:
     """Milliseconds per speculative step (draft + verify + bookkeeping) with a random drafter of the
     target's width: what a step costs relative to a plain step, i.e. the tau a drafter must beat."""
     from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
@@ -100,7 +101,19 @@ def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: i
         run()  # warm-up / compile
         steps = [run().stats for _ in range(repeats)]
         out[method] = statistics.median(1000 * s.decode_seconds / max(len(s.accepted), 1) for s in steps)
+        if profile:
+            profile[method] = _profile_table(run)
     return out
+
+
+def _profile_table(fn) -> str:
+    """torch.profiler's table (host and device time per op) of one call: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -110,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", default="8b", choices=("8b", "reference"), help="8B-shaped Llama, or the reference target's shape")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", default="", help="also write torch.profiler tables of a plain, chain and tree decode here (text)")
     parser.add_argument("--no-compile", action="store_true", help="static path without torch.compile")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -129,7 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
     fast_seconds = _timed(lambda: decoder.generate(prompt, new_tokens, method="plain"), device, args.repeats)
     prefill = decoder.generate(prompt, new_tokens, method="plain").stats.prefill_seconds
 
-    speculative = speculative_step_cost(model, device, dtype, prompt, new_tokens, compile_, args.repeats)
+    tables: dict[str, str] = {"plain": _profile_table(lambda: decoder.generate(prompt, new_tokens, method="plain"))} if args.profile else {}
+    speculative = speculative_step_cost(model, device, dtype, prompt, new_tokens, compile_, args.repeats, tables)
+    if args.profile:
+        Path(args.profile).write_text("".join(f"## {method}\n{table}\n" for method, table in tables.items()))
 
     verify = {}
     target = StaticTarget(model, 256, None, compile=False)

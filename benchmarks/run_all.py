@@ -23,8 +23,9 @@ Parts
 - bench:    the same `eaglekit run`, now with bench (eaglekit plain fast path, HF generate, HF assisted
             generation, HF prompt lookup, EAGLE-3 chain and tree; temperature 0 and 1, held-out prompts)
             and export.
-- speed:    benchmarks/train_speed.py (8B-shaped drafter: tokens/s, MFU, peak memory) and
-            benchmarks/regen_speed.py (regen vs bare generate).
+- speed:    benchmarks/decode_speed.py on the reference target's shape (plain vs chain vs tree step
+            cost, with a profiler table), benchmarks/train_speed.py (8B-shaped drafter: tokens/s, MFU,
+            peak memory) and benchmarks/regen_speed.py (regen vs bare generate).
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
 """
 
@@ -131,6 +132,12 @@ def run_regen_speed(out: Path, smoke: bool) -> None:
             "--out", str(out / "regen_speed.json"))
 
 
+def run_decode_speed(out: Path, smoke: bool) -> None:
+    """Step costs on the reference target's shape (random weights): plain vs chain vs tree, profiled."""
+    shape = ["--smoke"] if smoke else ["--shape", "reference"]
+    _script("decode_speed.py", *shape, "--output", str(out / "decode_speed_reference.json"), "--profile", str(out / "decode_profile.txt"))
+
+
 def _script(name: str, *args: str) -> None:
     log(f"running {name} {' '.join(args)}")
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=560)
@@ -152,6 +159,7 @@ def summarise(work: Path, out: Path) -> dict:
         "bench": load(run_dir / "bench" / "bench.json"),
         "train_speed": load(out / "train_speed.json"),
         "regen_speed": load(out / "regen_speed.json"),
+        "decode_speed_reference": load(out / "decode_speed_reference.json"),
     }
     for key in ("reference_target", "draft_lm"):
         if summary[key]:
@@ -166,7 +174,7 @@ def summarise(work: Path, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
-                        help="comma list of: target, pipeline, bench, train_speed, regen_speed (speed = both), summary")
+                        help="comma list of: target, pipeline, bench, decode_speed, train_speed, regen_speed (speed = all three), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
@@ -176,11 +184,12 @@ def main() -> int:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    parts = [q for p in args.parts.split(",") for q in (("train_speed", "regen_speed") if p == "speed" else (p,))]
+    parts = [q for p in args.parts.split(",") for q in (("decode_speed", "train_speed", "regen_speed") if p == "speed" else (p,))]
     steps = {
         "target": lambda: build_models(work, sizes),
         "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
         "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export")),
+        "decode_speed": lambda: run_decode_speed(out, args.smoke),
         "train_speed": lambda: run_train_speed(out, args.smoke, args.train_speed_budget),
         "regen_speed": lambda: run_regen_speed(out, args.smoke),
         "summary": lambda: summarise(work, out),
