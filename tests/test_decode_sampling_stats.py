@@ -81,3 +81,15 @@ def test_chi_square_detects_a_wrong_rule():
         x1 = int(sample(draft[0], g))
         counts[x1, int(sample(draft[x1], g))] += 1
     assert _chi_square(counts, TRIALS * target[0][:, None] * target) > CHI2_999_DF24
+
+
+def test_multi_draft_acceptance_is_the_childrens_target_mass():
+    """Lossless is not enough: trying the siblings in turn must accept with probability sum p(child).
+    (Trying only the first child would keep the output distribution exact and pass the chi-square tests,
+    at a lower acceptance rate.)"""
+    p = torch.tensor([0.3, 0.2, 0.1, 0.25, 0.1, 0.05])
+    tokens, parents = torch.tensor([5, 0, 1, 2]), torch.tensor([-1, 0, 0, 0])  # the root and 3 deterministic children
+    generator = torch.Generator().manual_seed(0)
+    trials = 20000
+    accepted = sum(verify_sampling(tokens, parents, p.expand(4, -1), None, generator).num_accepted > 0 for _ in range(trials))
+    assert abs(accepted / trials - 0.6) < 0.015  # 0.3 + 0.2 + 0.1; the standard error is 0.0035
