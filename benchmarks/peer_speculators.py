@@ -1,0 +1,501 @@
+"""Peer-trainer comparison: eaglekit's drafter against one trained by vLLM's `speculators` on the same data.
+
+    python benchmarks/peer_speculators.py --run runs/demo --peer-python /tmp/specvenv/bin/python \
+        --out benchmarks/results/peer_speculators_tiny_cpu.json
+    python benchmarks/peer_speculators.py --run runs/demo --device cuda --bench --peer-python python3 --out X.json
+    python benchmarks/peer_speculators.py --run runs/demo --steps 200 --out X.json    # another step count
+
+RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eaglekit's drafter). The script
+
+1. rebuilds eaglekit's training context from RUN_DIR/train/config.yaml (`eaglekit.draft.setup.setup` and
+   `eaglekit.draft.train.Trainer`): the same records, the same validation split (`split_indices`), the same
+   soft labels and the same `Trainer.validate` for both drafters;
+2. converts the extract shards into the layout `speculators train` reads offline (a `datasets` directory with
+   input_ids / loss_mask / seq_len, and hidden_states/hs_<i>.safetensors holding token_ids and hidden_states
+   (T, 3 + 1, H): the three aux states, then the final state), the training records first and eaglekit's
+   validation records last, with `--train-data-ratio` cutting exactly between them; eaglekit's draft vocabulary
+   goes in as d2t/t2d .npy files. speculators applies the target's final RMSNorm to the last state, eaglekit
+   stores it after that norm: the script stores final / norm_weight, whose RMSNorm gives the stored state back
+   (its rms is 1 up to eps); `data.label_check` measures how close the rebuilt soft labels are;
+3. runs `python -m speculators train` in the peer's own Python (`--peer-python`) with eaglekit's drafter shape,
+   TTT steps, step weights, learning rate, warmup/cosine schedule and number of optimizer steps; speculators
+   packs records into one sequence per step, so its packed length is chosen to give the same tokens per step;
+4. imports the final checkpoint with eaglekit's own import code (`eaglekit.interop.convert.import_checkpoint`),
+   evaluates both drafters with `Trainer.validate` (accuracy per TTT position, estimated tau) and, with --bench,
+   decodes the run's bench prompts with both (`eaglekit.stages.bench`, chain and tree, temperature 0);
+5. writes JSON: both drafters side by side, commands, steps actually performed, wall times, versions, and the
+   settings speculators does not let us match (`differences`).
+
+Work files (converted data, peer checkpoints and log, imported drafter) go to --work (default RUN_DIR/peer_speculators).
+
+speculators 0.9.0 trains only on an accelerator: its Trainer moves the model to `local_rank`, an accelerator index
+(speculators/train/trainer.py:348, `self.model.to(self.local_rank)`; batches likewise at :533), so on a machine without
+one the peer's run stops there. The JSON then holds eaglekit's figures, the conversion and that error
+(`status: peer_failed`), and the script exits with a one-line message naming the failing line.
+
+Carrying speculators to a GPU machine without internet (its torch is used; 6.9 MB of wheels): here,
+`pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+--platform manylinux2014_x86_64 -d .whl` speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1
+multiprocess==0.70.19 pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4
+typing-inspection==0.4.5 annotated-types==0.8.0 loguru==0.7.3 openai==3.57.0 jiter==0.19.0 httpx2==2.16.2
+httpcore2==2.16.2 truststore==0.10.5 sniffio==1.3.1 typing_extensions; there, `pip install --no-index --no-deps
+--target /tmp/site .whl/*.whl`, `export PYTHONPATH=/tmp/site:$PWD/src`, and run with `--device cuda --peer-python
+python3` (datasets 5.1 needs pyarrow >= 24: check the machine's). torchvision/torchaudio are not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PEER_VERSION = "0.9.0"
+INSTALL_HINT = (f"python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install torch==2.13.0 && /tmp/specvenv/bin/pip install "
+                f"speculators=={PEER_VERSION} && /tmp/specvenv/bin/pip uninstall -y torchvision torchaudio")
+LABEL_CHECK_TOKENS = 2048  # validation tokens on which eaglekit's and the peer's soft labels are compared
+
+# Runs in the peer's Python: speculators' own packing sampler, to pick the packed length (tokens per step) and the
+# number of epochs after which --max-steps stops (speculators starts every later epoch with one more step).
+PLAN_SNIPPET = r"""
+import json, sys
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as Sampler
+a = json.load(sys.stdin)
+lengths, steps = a["lengths"], a["steps"]
+def plan(packed):
+    epochs, done, tokens = 0, 0, 0
+    while done < steps:
+        sampler = Sampler(batch_max_length=packed, lengths=lengths, num_replicas=1, rank=0, seed=a["seed"])
+        sampler.set_epoch(epochs)
+        batches = list(sampler)
+        if not batches:
+            raise SystemExit(f"packed length {packed} gives no batch")
+        for batch in batches[: steps - done]:
+            tokens += sum(min(lengths[i], packed) for i in batch)
+        done, epochs = done + min(len(batches), steps - done), epochs + 1
+    return {"packed": packed, "epochs": epochs, "tokens_per_step": tokens / steps}
+packed = max(a["longest"], round(a["tokens_per_step"]))
+tried = [plan(packed)]
+for _ in range(3):  # packing leaves slack: scale the length until a step holds eaglekit's tokens per step
+    packed = max(a["longest"], round(tried[-1]["packed"] * a["tokens_per_step"] / tried[-1]["tokens_per_step"]))
+    if any(t["packed"] == packed for t in tried):
+        break
+    tried.append(plan(packed))
+print(json.dumps(min(tried, key=lambda t: abs(t["tokens_per_step"] - a["tokens_per_step"]))))
+"""
+
+VERSIONS_SNIPPET = ("import json, torch, transformers, speculators.version as v; "
+                    "print(json.dumps({'speculators': v.version, 'torch': torch.__version__, 'transformers': transformers.__version__, "
+                    "'python': '.'.join(map(str, __import__('sys').version_info[:3]))}))")
+
+
+# ---- checks --------------------------------------------------------------------------------------
+
+def check_run(run: Path) -> None:
+    needed = {"extract/manifest.json": "eaglekit extract", "vocab/vocab.safetensors": "eaglekit vocab",
+              "train/manifest.json": "eaglekit train", "train/config.yaml": "eaglekit train"}
+    for path, stage in needed.items():
+        if not (run / path).is_file():
+            raise SystemExit(f"{run} lacks {path}: finish the run first (`eaglekit run --config RECIPE out={run}` runs {stage})")
+
+
+def peer_versions(python: str) -> dict[str, str]:
+    try:
+        out = subprocess.run([python, "-c", VERSIONS_SNIPPET], capture_output=True, text=True, timeout=300)
+    except OSError as error:
+        raise SystemExit(f"--peer-python {python} cannot run ({error}); install speculators: {INSTALL_HINT}") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"--peer-python {python} cannot import speculators ({last}); install it: {INSTALL_HINT}")
+    versions = json.loads(out.stdout.strip().splitlines()[-1])
+    if versions["speculators"] != PEER_VERSION:
+        print(f"warning: speculators {versions['speculators']} found, this comparison was written for {PEER_VERSION}", file=sys.stderr)
+    return versions
+
+
+# ---- eaglekit's side -----------------------------------------------------------------------------
+
+def eaglekit_context(run: Path, device: str, work: Path, stack: contextlib.ExitStack) -> Any:
+    """eaglekit's trainer for RUN_DIR's train config (records, split, soft labels, validate), on `device`."""
+    from eaglekit.config import load_config
+    from eaglekit.draft.setup import setup
+    from eaglekit.draft.train import Trainer, setup_distributed
+    from eaglekit.stages.train import Config
+
+    overrides = {"shards": str(run / "extract"), "vocab": str(run / "vocab" / "vocab.safetensors"), "output": str(work / "eval"),
+                 "resume": False, "device": device, "init_from": ""}
+    config = load_config(Config, run / "train" / "config.yaml", overrides)
+    if not config.shards or config.val_fraction <= 0:
+        raise SystemExit(f"{run}/train was not trained offline with a validation split (val_fraction > 0): nothing to compare on")
+    shutil.rmtree(work / "eval", ignore_errors=True)
+    (work / "eval").mkdir(parents=True)
+    d = setup_distributed(device)
+    drafter, source, identity = setup(config, d, stack)
+    return Trainer(config, d, drafter, source, identity)
+
+
+def eaglekit_tokens_per_step(trainer: Any, steps: int) -> float:
+    """Mean record tokens per optimizer step of eaglekit's run (its own batches, replayed)."""
+    from eaglekit.draft.data import epoch_batches
+
+    c, tokens, done, epoch = trainer.config, 0, 0, 0
+    while done < steps:
+        batches = epoch_batches(trainer.train_idx, trainer.source.lengths, c.batch_size, 1, c.seed, epoch)
+        groups = [batches[i : i + c.grad_accum] for i in range(0, len(batches), c.grad_accum)]
+        for group in groups[: steps - done]:
+            tokens += sum(trainer.source.lengths[i] for batch in group for i in batch)
+        done, epoch = done + min(len(groups), steps - done), epoch + 1
+    return tokens / steps
+
+
+def final_norm_weight(target: str) -> torch.Tensor:
+    """The target's final RMSNorm weight, read from its checkpoint (what speculators loads as verifier_norm)."""
+    from eaglekit.draft.build import _checkpoint_tensors
+    from eaglekit.target.loading import resolve_target
+
+    found = _checkpoint_tensors(Path(resolve_target(target)), ["model.norm.weight"])
+    if not found:
+        raise SystemExit(f"cannot read model.norm.weight from {resolve_target(target)}: speculators needs the target's final norm "
+                         "in a local safetensors checkpoint")
+    return found["model.norm.weight"].float()
+
+
+# ---- conversion ----------------------------------------------------------------------------------
+
+def convert(trainer: Any, norm_weight: torch.Tensor, data: Path, hs_dtype: torch.dtype) -> dict[str, Any]:
+    """eaglekit's train records, then its validation records, in speculators' offline layout."""
+    import numpy as np
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    from eaglekit.draft.data import split_indices
+
+    source, config = trainer.source, trainer.config
+    train_idx, val_idx = split_indices(len(source), config.val_fraction, config.seed)  # eaglekit's split, as its trainer makes it
+    assert (train_idx, val_idx) == (trainer.train_idx, trainer.val_idx)
+    if any(w.abs() < 1e-6 for w in norm_weight):
+        raise SystemExit("the target's final norm has zero weights: the post-norm states eaglekit stores cannot be turned back")
+    shutil.rmtree(data, ignore_errors=True)
+    (data / "hidden_states").mkdir(parents=True)
+    rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for file_idx, i in enumerate(train_idx + val_idx):
+        record = source.dataset[source.order[i]]
+        cut = {k: record[k][: config.max_length] for k in ("input_ids", "loss_mask", "aux", "final")}
+        t, h = cut["final"].shape
+        # speculators computes lm_head(RMSNorm_w(last)); eaglekit stored y = RMSNorm_w(x). last = y / w gives x / rms(x),
+        # whose rms is 1 (up to eps), so RMSNorm_w(last) = y again.
+        last = cut["final"].float() / norm_weight
+        states = torch.cat([cut["aux"].float().view(t, -1, h), last[:, None]], dim=1).to(hs_dtype)  # (T, 3 + 1, H)
+        save_file({"hidden_states": states.contiguous(), "token_ids": cut["input_ids"].long()}, str(data / "hidden_states" / f"hs_{file_idx}.safetensors"))
+        rows["input_ids"].append(cut["input_ids"].long().tolist())
+        rows["loss_mask"].append(cut["loss_mask"].long().tolist())
+        rows["seq_len"].append(t)
+    dataset = Dataset.from_dict(rows)
+    dataset.set_format(type="torch")
+    dataset.save_to_disk(str(data))
+    np.save(data / "d2t.npy", trainer.drafter.d2t.cpu().numpy())
+    np.save(data / "t2d.npy", trainer.drafter.t2d.cpu().numpy())
+    n_train, n_val = len(train_idx), len(val_idx)
+    return {"train_records": n_train, "val_records": n_val, "train_tokens": sum(rows["seq_len"][:n_train]),
+            "val_tokens": sum(rows["seq_len"][n_train:]), "train_lengths": rows["seq_len"][:n_train],
+            "train_data_ratio": (n_train + 0.5) / (n_train + n_val),  # int(N * ratio) == n_train: the split falls between them
+            "val_ids": [source.dataset.ids[source.order[i]] for i in val_idx], "hidden_states_dtype": str(hs_dtype).replace("torch.", "")}
+
+
+def label_check(trainer: Any, data: Path, n_train: int, norm_weight: torch.Tensor, eps: float) -> dict[str, Any]:
+    """Soft labels eaglekit trains on vs the ones speculators rebuilds from the converted files (validation tokens)."""
+    from safetensors.torch import load_file
+
+    from eaglekit.draft.ttt import soft_labels_from_hidden
+
+    source, theirs, ours, scales, file_idx = trainer.source, [], [], [], n_train
+    while sum(len(x) for x in ours) < LABEL_CHECK_TOKENS and (data / "hidden_states" / f"hs_{file_idx}.safetensors").is_file():
+        last = load_file(str(data / "hidden_states" / f"hs_{file_idx}.safetensors"))["hidden_states"][:, -1].float()
+        rms = last.pow(2).mean(-1, keepdim=True).add(eps).sqrt()
+        theirs.append(last / rms * norm_weight)  # LlamaRMSNorm, as speculators' verifier_norm computes it
+        scales.append(rms.flatten())
+        ours.append(source.dataset[source.order[trainer.val_idx[file_idx - n_train]]]["final"][: len(last)].float())
+        file_idx += 1
+    weight, t2d = source.lm_head_weight.float().cpu(), source.t2d.cpu()
+    p, _ = soft_labels_from_hidden(torch.cat(ours)[None], weight, t2d)
+    q, _ = soft_labels_from_hidden(torch.cat(theirs)[None], weight, t2d)
+    kl = (p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log())).sum(-1)
+    scale = torch.cat(scales)
+    return {"tokens": int(p.shape[1]), "argmax_agreement": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "rms_of_stored_last_min": float(scale.min()),
+            "rms_of_stored_last_max": float(scale.max())}
+
+
+# ---- the peer's run ------------------------------------------------------------------------------
+
+def plan_peer(python: str, lengths: list[int], steps: int, tokens_per_step: float, seed: int) -> dict[str, Any]:
+    payload = json.dumps({"lengths": lengths, "steps": steps, "tokens_per_step": tokens_per_step, "seed": seed, "longest": max(lengths)})
+    out = subprocess.run([python, "-c", PLAN_SNIPPET], input=payload, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"planning the peer's packing failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str, Any], conv: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """`speculators train` with eaglekit's settings; also the settings as a dict for the report."""
+    from eaglekit.draft.train import _amp_dtype
+    from eaglekit.target.loading import resolve_target
+
+    c, drafter = trainer.config, trainer.drafter.config
+    cuda = args.device.startswith("cuda")
+    amp = _amp_dtype(c.dtype, torch.device(args.device))
+    warmup = c.warmup_steps if c.warmup_steps >= 0 else round(0.03 * args.steps)
+    settings = {
+        "speculator-type": "eagle3", "verifier-name-or-path": resolve_target(c.target), "data-path": str(data),
+        "save-path": str(save), "log-dir": str(save.parent / "logs"), "seed": c.seed,
+        "d2t-path": str(data / "d2t.npy"), "t2d-path": str(data / "t2d.npy"), "draft-vocab-size": drafter.draft_vocab_size,
+        "target-layer-ids": list(drafter.aux_layer_ids), "num-layers": 1, "draft-arch": "llama", "draft-hidden-act": drafter.hidden_act,
+        "norm-before-residual": drafter.norm_before_residual, "norm-before-fc": False, "norm-output": False,  # eaglekit's drafter
+        "full-attention-indices": [0], "draft-attn-impl": "simple_flex_attention" if cuda else "sdpa",
+        "ttt-steps": c.ttt_steps, "ttt-step-loss-decay": c.step_decay, "loss-fn": "kl_div",
+        "loss-implementation": "fused" if cuda else "eager",  # fused needs Triton
+        "optimizer": "adamw", "lr": c.lr, "weight-decay": c.weight_decay,
+        "scheduler-type": "cosine", "scheduler-warmup-steps": warmup, "scheduler-total-steps": args.steps,
+        "epochs": plan["epochs"], "max-steps": args.steps, "total-seq-len": plan["packed"],
+        "train-data-ratio": conv["train_data_ratio"], "hidden-states-dtype": "float32" if amp is None else "bfloat16",
+        "num-workers": args.peer_workers, "on-missing": "raise", "no-resume-from-checkpoint": True, "log-freq": 1,
+    }
+    cmd = [args.peer_python, "-m", "speculators", "train"]
+    for key, value in settings.items():
+        if value is True:
+            cmd.append(f"--{key}")
+        elif value is False:
+            cmd.append(f"--no-{key}")
+        elif isinstance(value, list):
+            cmd += [f"--{key}", *map(str, value)]
+        else:
+            cmd += [f"--{key}", str(value)]
+    return cmd, settings
+
+
+def speculators_error(log: str) -> dict[str, str]:
+    """The failing line of speculators' own source (innermost frame) and the exception, from a traceback."""
+    frames = re.findall(r'File "[^"]*(speculators/[^"]+)", line (\d+), in (\S+)\n\s*(.*)', log)
+    errors = [line.strip() for line in log.splitlines() if re.match(r"^\s*[\w.]*(Error|Exception)\b.*:", line)]
+    out = {"exception": errors[-1] if errors else (log.strip().splitlines() or ["no output"])[-1]}
+    if frames:
+        path, line, function, code = frames[-1]
+        out["where"] = f"{path}:{line} in {function}: {code.strip()}"
+    return out
+
+
+def train_peer(cmd: list[str], save: Path, device: str) -> dict[str, Any]:
+    shutil.rmtree(save.parent, ignore_errors=True)
+    save.parent.mkdir(parents=True)
+    env = dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1", _TYPER_STANDARD_TRACEBACK="1")  # plain tracebacks
+    if not device.startswith("cuda"):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # speculators has no device option: it trains on any accelerator it sees
+    log_path = save.parent / "speculators_train.log"
+    print("peer:", " ".join(cmd), flush=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    result: dict[str, Any] = {"wall_s": time.perf_counter() - started, "returncode": code, "log": str(log_path)}
+    if code != 0:
+        result["error"] = speculators_error(log_path.read_text())
+        return result
+    epochs = sorted((p for p in save.iterdir() if p.name.isdigit() and (p / "config.json").is_file()), key=lambda p: int(p.name))
+    if not epochs:
+        result["error"] = {"exception": f"speculators wrote no checkpoint into {save}"}
+        return result
+    final = epochs[-1]
+    state = json.loads((final / "training_state.json").read_text()) if (final / "training_state.json").is_file() else {}
+    own_val = json.loads((final / "val_metrics.json").read_text()) if (final / "val_metrics.json").is_file() else None
+    result.update(checkpoint=str(final), steps=state.get("global_step"), epochs=len(epochs), speculators_val=own_val)
+    return result
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+
+def import_peer(checkpoint: str, output: Path, trainer: Any) -> Any:
+    """speculators checkpoint -> eaglekit drafter (eaglekit's import), saved to `output` with the target's embedding."""
+    from eaglekit.interop.convert import import_checkpoint
+
+    drafter = import_checkpoint(checkpoint, "speculators").float()
+    if not torch.equal(drafter.t2d.cpu(), trainer.drafter.t2d.cpu()):
+        raise SystemExit(f"{checkpoint} has another draft vocabulary than eaglekit's: the d2t/t2d files were not used")
+    if not bool(drafter.embed_tokens.weight.any()):
+        drafter.load_target_embedding(trainer.drafter.embed_tokens.weight.detach().cpu())
+    drafter.config = dataclasses.replace(drafter.config, target_name_or_path=trainer.config.target)
+    drafter.save_pretrained(output)
+    return drafter
+
+
+def evaluate(trainer: Any, drafter: Any) -> dict[str, Any]:
+    """eaglekit's own validation (`Trainer.validate`) with `drafter`'s weights."""
+    state = {k: v for k, v in drafter.state_dict().items() if k in trainer.drafter.state_dict()}
+    trainer.drafter.load_state_dict(state)
+    metrics = trainer.validate()
+    return {k: metrics[k] for k in ("loss", "loss_k", "acc_k", "tau", "tokens")}
+
+
+def bench(run: Path, drafter: Path, output: Path, device: str) -> dict[str, Any]:
+    """`eaglekit bench` on the run's bench prompts (its bench section), chain and tree at temperature 0."""
+    from eaglekit.config import load_config
+    from eaglekit.stages import bench as bench_stage
+    from eaglekit.stages.run import Config, plan
+
+    if not (run / "run.yaml").is_file():
+        raise SystemExit(f"--bench reads the bench prompts from {run}/run.yaml (an `eaglekit run` output); it has none")
+    step = next((s for s in plan(load_config(Config, run / "run.yaml", {"out": str(run)})) if s.name == "bench"), None)
+    if step is None:
+        raise SystemExit(f"{run}/run.yaml has no bench stage: add bench to its stages")
+    config = dataclasses.replace(step.make_config(), drafter=str(drafter), output=str(output), methods=("chain", "tree"),
+                                 temperatures=(0.0,), repeats=1, warmup=0, compile=False, device=device)
+    rows = bench_stage.run(config)["rows"]
+    keep = ("method", "temperature", "tau", "acceptance_per_position", "tokens_per_second", "error")
+    return {"prompts": config.prompts, "num_prompts": config.num_prompts, "max_new_tokens": config.max_new_tokens,
+            "chain_length": config.chain_length, "depth": config.depth, "tree_top_k": config.tree_top_k,
+            "total_tokens": config.total_tokens, "rows": [{k: r[k] for k in keep if k in r} for r in rows]}
+
+
+def differences(args: Any, trainer: Any, settings: dict[str, Any], eaglekit_tps: float, plan: dict[str, Any], label: dict[str, Any]) -> list[str]:
+    c, out = trainer.config, []
+    if args.steps != args.eaglekit_steps:
+        out.append(f"steps: the peer ran --steps {args.steps}, eaglekit's drafter was trained for {args.eaglekit_steps}")
+    out += [
+        "lm_head: speculators initialises it from the target's lm_head rows of the draft vocabulary and keeps it FROZEN "
+        "(speculators/model.py _init_vocab / _load_verifier_weights; no option); eaglekit initialises it randomly and trains it",
+        f"optimizer: AdamW betas are torch's default (0.9, 0.999) in speculators (train/optimizers.py, no option); eaglekit {tuple(c.betas)}",
+        f"gradient clipping: speculators clips at 1.0 (train/trainer.py, no option); eaglekit at {c.grad_clip}",
+        f"schedule: both linear warmup ({settings['scheduler-warmup-steps']} steps) then cosine to 0, but transformers' warmup starts "
+        "at lr 0 (step/warmup) where eaglekit starts at lr/(warmup+1)"
+        + (f"; eaglekit decays to lr x {c.min_lr_ratio}, speculators to 0" if c.min_lr_ratio else ""),
+        f"batching: eaglekit steps on {c.batch_size * c.grad_accum} padded records ({eaglekit_tps:.0f} tokens/step on average); "
+        f"speculators packs records into one sequence of --total-seq-len {plan['packed']} per step and has no record batch size or "
+        f"gradient accumulation ({plan['tokens_per_step']:.0f} tokens/step on average); shuffling and packing orders differ",
+        "loss mask: speculators weights position t by the mask of its INPUT token and keeps targets whose argmax lies outside "
+        "the draft vocabulary; eaglekit uses the mask of the predicted token and drops out-of-vocabulary targets (docs/train.md)",
+        "loss: KL(target || draft) in speculators, soft cross-entropy in eaglekit: the same gradients, losses differ by the "
+        "target entropy (both weight TTT step k by step_decay**k, normalised per step over its mask)",
+        "final hidden state: speculators applies the target's final RMSNorm itself; the converted files hold eaglekit's "
+        f"post-norm state divided by the norm weight (label check on {label['tokens']} validation tokens: argmax agreement "
+        f"{label['argmax_agreement']:.4f}, mean KL {label['kl_mean']:.2e})",
+        "architecture flags set to eaglekit's drafter: --no-norm-before-fc --no-norm-output (speculators' eagle3 defaults are "
+        "on, and eaglekit's import refuses them) and full attention (speculators defaults to a 2048-token sliding window)",
+        "precision: speculators saves checkpoints in bf16 (train/checkpointer.py save_checkpoint), so the peer is measured with "
+        "bf16-rounded weights; eaglekit's drafter is stored in fp32",
+        "initialisation: each trainer's own scheme and random stream (the same seed value does not give the same weights)",
+    ]
+    if args.device != c.device and c.device != "auto":
+        out.append(f"device: eaglekit's drafter was trained on {c.device}, the peer on {args.device}")
+    if c.dtype == "fp16":
+        out.append("precision: eaglekit trained under fp16 autocast; speculators refuses float16, the peer used bfloat16")
+    return out
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def parse(argv: list[str] | None) -> Any:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="an `eaglekit run` output directory with extract/, vocab/ and train/")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps for the peer (0 = as many as eaglekit's drafter had)")
+    parser.add_argument("--out", default="benchmarks/results/peer_speculators.json")
+    parser.add_argument("--peer-python", default="/tmp/specvenv/bin/python", help=f"a Python with speculators=={PEER_VERSION}")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: the peer's training, both evaluations and the bench")
+    parser.add_argument("--bench", action="store_true", help="also decode the run's bench prompts with both drafters (chain, tree, T=0)")
+    parser.add_argument("--work", default="", help="work directory (default RUN_DIR/peer_speculators)")
+    parser.add_argument("--hs-dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="dtype of the converted hidden states (auto: fp32 when the peer trains in fp32, else bf16)")
+    parser.add_argument("--peer-workers", type=int, default=-1, help="speculators --num-workers (-1: 0 on cpu, 4 on cuda)")
+    args = parser.parse_args(argv)
+    if args.peer_workers < 0:
+        args.peer_workers = 4 if args.device.startswith("cuda") else 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.draft.train import _amp_dtype
+    from eaglekit.manifest import atomic_write_json, environment
+    from eaglekit.target.capture import text_config
+    from eaglekit.target.loading import load_target_config
+
+    args = parse(argv)
+    run = Path(args.run)
+    check_run(run)
+    versions = peer_versions(args.peer_python)
+    work = Path(args.work) if args.work else run / "peer_speculators"
+    manifest = json.loads((run / "train" / "manifest.json").read_text())
+    args.eaglekit_steps = int(manifest["steps"])
+    args.steps = args.steps or args.eaglekit_steps
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"benchmark": "peer_speculators", "run": str(run), "device": args.device, "environment": environment(),
+                              "versions": {"peer": versions, "eaglekit_torch": torch.__version__}}
+    with contextlib.ExitStack() as stack:
+        trainer = eaglekit_context(run, args.device, work, stack)
+        c = trainer.config
+        amp = _amp_dtype(c.dtype, torch.device(args.device))
+        hs_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.hs_dtype, torch.float32 if amp is None else torch.bfloat16)
+        norm_weight = final_norm_weight(c.target)
+        started = time.perf_counter()
+        conv = convert(trainer, norm_weight, work / "data", hs_dtype)
+        conv["seconds"] = time.perf_counter() - started
+        eps = float(getattr(text_config(load_target_config(c.target)), "rms_norm_eps", 1e-6))
+        label = label_check(trainer, work / "data", conv["train_records"], norm_weight, eps)
+        eaglekit_tps = eaglekit_tokens_per_step(trainer, args.steps)
+        plan = plan_peer(args.peer_python, conv.pop("train_lengths"), args.steps, eaglekit_tps, c.seed)
+        cmd, settings = peer_command(args, trainer, work / "data", work / "peer" / "checkpoints", plan, conv)
+        report.update(data={**conv, "label_check": label}, commands={"this": [sys.executable, *sys.argv], "peer_train": cmd},
+                      settings={"eaglekit": {k: getattr(c, k) for k in ("ttt_steps", "step_decay", "lr", "betas", "weight_decay",
+                                "warmup_steps", "min_lr_ratio", "grad_clip", "batch_size", "grad_accum", "max_length", "epochs",
+                                "max_steps", "seed", "device", "dtype", "attention")}, "peer": settings},
+                      differences=differences(args, trainer, settings, eaglekit_tps, plan, label))
+        peer = train_peer(cmd, work / "peer" / "checkpoints", args.device)
+        peer.update(planned_steps=args.steps, planned_epochs=plan["epochs"], tokens_per_step=plan["tokens_per_step"])
+        ours = Eagle3Drafter.from_pretrained(run / "train")
+        report["eaglekit"] = {"drafter": str(run / "train"), "steps": args.eaglekit_steps, "epochs": manifest.get("epochs"),
+                              "wall_s": json.loads((run / "train" / ".run-done").read_text())["seconds"]
+                              if (run / "train" / ".run-done").is_file() else None,
+                              "tokens_per_step": eaglekit_tps, "manifest_val": manifest.get("val"), "val": evaluate(trainer, ours)}
+        report["peer"] = peer
+        if "error" not in peer:
+            imported = import_peer(peer["checkpoint"], work / "peer_eaglekit", trainer)
+            peer.update(drafter=str(work / "peer_eaglekit"), val=evaluate(trainer, imported))
+            if peer.get("steps") != args.steps:
+                report["differences"].append(f"steps: speculators performed {peer.get('steps')} optimizer steps, {args.steps} were asked")
+        if args.bench:
+            report["eaglekit"]["bench"] = bench(run, run / "train", work / "bench_eaglekit", args.device)
+            if "error" not in peer:
+                peer["bench"] = bench(run, work / "peer_eaglekit", work / "bench_peer", args.device)
+    report["status"] = "peer_failed" if "error" in report["peer"] else "ok"
+    atomic_write_json(out_path, report)
+    print_summary(report, out_path)
+    if "error" in report["peer"]:
+        e = report["peer"]["error"]
+        raise SystemExit(f"speculators' trainer failed ({e.get('where', '?')}: {e['exception']}); eaglekit's figures and the "
+                         f"converted data are in {out_path} and {work}; full log: {report['peer']['log']}")
+    return report
+
+
+def print_summary(report: dict[str, Any], out_path: Path) -> None:
+    def line(name: str, side: dict[str, Any]) -> str:
+        val = side.get("val")
+        if not val:
+            return f"{name:>9}: no figures ({side.get('error', {}).get('exception', 'not run')})"
+        taus = " ".join(f"{r['method']} {r['tau']:.2f}" for r in side.get("bench", {}).get("rows", []) if "tau" in r)
+        return (f"{name:>9}: acc_k {' '.join(f'{a:.3f}' for a in val['acc_k'])}  est. tau {val['tau']:.2f}  steps {side.get('steps')}  "
+                f"wall {side.get('wall_s') or 0:.0f}s" + (f"  bench tau {taus}" if taus else ""))
+    print(line("eaglekit", report["eaglekit"]))
+    print(line("peer", report["peer"]))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
