@@ -9,11 +9,12 @@ fixed seed. Threshold: the 0.999 quantile of chi-square with 24 degrees of freed
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eaglekit.decode.sampling import sample
-from eaglekit.decode.tree import DraftTree, chain_parents
-from eaglekit.decode.verify import verify_sampling
+from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents
+from eaglekit.decode.verify import verify_sampled_tree, verify_sampling
 
 V, TRIALS, CHI2_999_DF24 = 5, 4000, 51.18
 
@@ -50,7 +51,10 @@ def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         out, last = [], root
         while len(out) < 2:
             tree = _chain(last, draft, g) if kind == "chain" else _tree(last, draft, g)
-            verdict = verify_sampling(tree.tokens, tree.parents, target[tree.tokens], tree.draft_probs, g)
+            if kind == "tree_on_device":
+                verdict = verify_sampled_tree(tree.tokens, tree.parents, ancestor_matrix(tree.parents, 2), target[tree.tokens], g)
+            else:
+                verdict = verify_sampling(tree.tokens, tree.parents, target[tree.tokens], tree.draft_probs, g)
             out += verdict.tokens + [verdict.bonus]
             last = out[-1]
         counts[out[0], out[1]] += 1
@@ -67,8 +71,10 @@ def test_chain_speculative_sampling_matches_target():
     assert _chi_square(counts, expected) < CHI2_999_DF24
 
 
-def test_tree_multi_draft_sampling_matches_target():
-    counts, expected = _pairs("tree")
+@pytest.mark.parametrize("kind", ["tree", "tree_on_device"])
+def test_tree_multi_draft_sampling_matches_target(kind):
+    """The sequential multi-draft rule, and its one-draw-per-node form that the decoder runs for trees."""
+    counts, expected = _pairs(kind)
     assert _chi_square(counts, expected) < CHI2_999_DF24
 
 
@@ -83,13 +89,21 @@ def test_chi_square_detects_a_wrong_rule():
     assert _chi_square(counts, TRIALS * target[0][:, None] * target) > CHI2_999_DF24
 
 
-def test_multi_draft_acceptance_is_the_childrens_target_mass():
+@pytest.mark.parametrize("rule", ["sequential", "on_device"])
+def test_multi_draft_acceptance_is_the_childrens_target_mass(rule):
     """Lossless is not enough: trying the siblings in turn must accept with probability sum p(child).
     (Trying only the first child would keep the output distribution exact and pass the chi-square tests,
     at a lower acceptance rate.)"""
     p = torch.tensor([0.3, 0.2, 0.1, 0.25, 0.1, 0.05])
     tokens, parents = torch.tensor([5, 0, 1, 2]), torch.tensor([-1, 0, 0, 0])  # the root and 3 deterministic children
+    ancestors = ancestor_matrix(parents, 1)
     generator = torch.Generator().manual_seed(0)
     trials = 20000
-    accepted = sum(verify_sampling(tokens, parents, p.expand(4, -1), None, generator).num_accepted > 0 for _ in range(trials))
+
+    def verdict():
+        if rule == "sequential":
+            return verify_sampling(tokens, parents, p.expand(4, -1), None, generator)
+        return verify_sampled_tree(tokens, parents, ancestors, p.expand(4, -1), generator)
+
+    accepted = sum(verdict().num_accepted > 0 for _ in range(trials))
     assert abs(accepted / trials - 0.6) < 0.015  # 0.3 + 0.2 + 0.1; the standard error is 0.0035

@@ -29,7 +29,7 @@ from eaglekit.decode.sampling import choose, draft_probs_to_target, logits_to_pr
 from eaglekit.decode.tree import (
     DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier,
 )
-from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampling
+from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_tree, verify_sampling
 from eaglekit.errors import EaglekitError
 
 METHODS = ("tree", "chain", "plain")
@@ -153,6 +153,8 @@ def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, optio
     if options.temperature <= 0:
         return verify_greedy(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
     probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
+    if tree.draft_probs is None:  # deterministic drafts (trees): one draw per node on the device
+        return verify_sampled_tree(tree.tokens, tree.parents, ancestors, probs, generator)
     return verify_sampling(tree.tokens, tree.parents, probs, tree.draft_probs, generator)
 
 

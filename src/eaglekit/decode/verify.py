@@ -12,6 +12,8 @@ node c (child of p) is correct when it matches what the target produces after p.
   (EAGLE-2 top-k trees) have q = one-hot, which makes the rule "accept with p(x), else remove x".
   For one candidate per node this is the speculative-sampling rule of Leviathan et al. / Chen et al.;
   for several it is SpecInfer's multi-draft rule. Either way the output follows the target exactly.
+  For one-hot drafts the rule equals "draw x ~ p at every node, follow the child whose token is x"
+  (`verify_sampled_tree`), which the decoder runs for trees: all draws at once, one host sync.
 """
 
 from __future__ import annotations
@@ -55,6 +57,23 @@ def verify_greedy(
     path = [i for i, on in enumerate(host[:n]) if on]
     return Verdict(path=path, tokens=[host[n + i] for i in path[1:]], bonus=int(host[-1]),
                    path_tensor=order[: len(path)], bonus_tensor=bonus)
+
+
+def verify_sampled_tree(
+    tokens: torch.Tensor,  # (N,) node tokens, root first; siblings distinct (top-k children)
+    parents: torch.Tensor,  # (N,)
+    ancestors: torch.Tensor,  # (N, N) bool ancestors-or-self
+    target_probs: torch.Tensor,  # (N, V) processed target distribution after each node
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Sampling verification of a tree of deterministic drafts (EAGLE-2 top-k trees), on the device.
+
+    With one-hot drafts the recursive rule at a node (accept child c with p'(c), else remove c from p and
+    renormalise) accepts child c with probability exactly p(c) and otherwise emits x with p(x): the same as
+    drawing x ~ p once and following the child whose token is x, x being the bonus when no child has it. So
+    one draw per node, all at once, and the greedy walk over the draws give the same output distribution
+    as `verify_sampling`, with one host sync instead of one per child tried."""
+    return verify_greedy(tokens, parents, ancestors, sample(target_probs, generator))
 
 
 def recursive_rejection(
