@@ -97,3 +97,4 @@ def test_bench_keeps_other_methods_when_one_fails(chat_target, tmp_path, monkeyp
     assert [r["method"] for r in rows] == ["plain", "hf_prompt_lookup", "hf"]
     assert rows[0]["tokens_per_second"] > 0 and rows[2]["tokens_per_second"] > 0 and "error" in rows[1]
     assert "failed: RuntimeError" in (out / "bench.md").read_text()
+    assert not (out / "manifest.json").exists()  # not finished: `eaglekit run` measures it again

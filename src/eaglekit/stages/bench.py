@@ -223,9 +223,9 @@ def run(config: Config) -> dict[str, Any]:
     atomic_write_text(output / "bench.md", _table(rows))
     _plot(rows, output / "bench.png")
     save_resolved(config, output)
-    write_manifest(output, "bench", {"outputs": ["bench.json", "bench.md", "bench.png"]})
     print(_table(rows))
     failed = [f"{r['method']} T={r['temperature']:g} ({r['error']})" for r in rows if "error" in r]
-    if failed:
+    if failed:  # no manifest: a re-run must not take this bench for finished
         raise EaglekitError(f"bench: {len(failed)} method(s) failed, the others' figures are in {output}: " + "; ".join(failed))
+    write_manifest(output, "bench", {"outputs": ["bench.json", "bench.md", "bench.png"]})
     return result
