@@ -171,8 +171,8 @@ class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("backend,compiled", [("eager", False), ("static", False), ("static", True)])
-def test_greedy_speculative_steps_make_no_host_transfers(backend, compiled, monkeypatch):
-    """Besides the verify step's one `.tolist()` (not dispatched, so not counted here), a greedy step adds no
+def test_speculative_steps_make_no_host_transfers(backend, compiled, monkeypatch):
+    """Besides the verify step's one `.tolist()` (not dispatched, so not counted here), a step (greedy or sampled) adds no
     host<->device traffic: decoding 3x as many tokens makes exactly as many transfers (the prefill's)."""
     from eaglekit.decode import static
 
@@ -181,12 +181,13 @@ def test_greedy_speculative_steps_make_no_host_transfers(backend, compiled, monk
     monkeypatch.setattr(static, "_compiled", lambda fn, enabled: fn)
     target = tiny_target("llama")
     decoder = Decoder(target, random_drafter(target), backend=backend, compile=compiled, max_length=128)
-    for method in ("tree", "chain"):
+    for method, temperature in (("tree", 0.0), ("chain", 0.0), ("tree", 1.0), ("chain", 1.0)):
         counts = []
+        options = dict(method=method, depth=3, tree_top_k=3, total_tokens=8, temperature=temperature)
         for new in (NEW, 3 * NEW):
-            decoder.generate(PROMPT, new, method=method, depth=3, tree_top_k=3, total_tokens=8)  # compiles outside the count
+            decoder.generate(PROMPT, new, **options)  # compiles outside the count
             with _HostTraffic() as traffic:
-                result = decoder.generate(PROMPT, new, method=method, depth=3, tree_top_k=3, total_tokens=8)
+                result = decoder.generate(PROMPT, new, **options)
             counts.append(traffic.count)
             assert len(result.stats.accepted) > new // 2  # many steps: a per-step transfer could not hide
-        assert counts[0] == counts[1], (method, counts)
+        assert counts[0] == counts[1], (method, temperature, counts)

@@ -14,7 +14,7 @@ import torch
 
 from eaglekit.decode.sampling import sample
 from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents
-from eaglekit.decode.verify import verify_sampled_tree, verify_sampling
+from eaglekit.decode.verify import verify_sampled_chain, verify_sampled_tree, verify_sampling
 
 V, TRIALS, CHI2_999_DF24 = 5, 4000, 51.18
 
@@ -50,8 +50,10 @@ def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(TRIALS):
         out, last = [], root
         while len(out) < 2:
-            tree = _chain(last, draft, g) if kind == "chain" else _tree(last, draft, g)
-            if kind == "tree_on_device":
+            tree = _chain(last, draft, g) if kind.startswith("chain") else _tree(last, draft, g)
+            if kind == "chain_on_device":
+                verdict = verify_sampled_chain(tree.tokens, target[tree.tokens], tree.draft_probs, g)
+            elif kind == "tree_on_device":
                 verdict = verify_sampled_tree(tree.tokens, tree.parents, ancestor_matrix(tree.parents, 2), target[tree.tokens], g)
             else:
                 verdict = verify_sampling(tree.tokens, tree.parents, target[tree.tokens], tree.draft_probs, g)
@@ -66,8 +68,10 @@ def _chi_square(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_chain_speculative_sampling_matches_target():
-    counts, expected = _pairs("chain")
+@pytest.mark.parametrize("kind", ["chain", "chain_on_device"])
+def test_chain_speculative_sampling_matches_target(kind):
+    """The sequential rule, and its all-positions-at-once form that the decoder runs for sampled chains."""
+    counts, expected = _pairs(kind)
     assert _chi_square(counts, expected) < CHI2_999_DF24
 
 
@@ -107,3 +111,20 @@ def test_multi_draft_acceptance_is_the_childrens_target_mass(rule):
 
     accepted = sum(verdict().num_accepted > 0 for _ in range(trials))
     assert abs(accepted / trials - 0.6) < 0.015  # 0.3 + 0.2 + 0.1; the standard error is 0.0035
+
+
+@pytest.mark.parametrize("rule", ["sequential", "on_device"])
+def test_chain_acceptance_is_the_overlap_of_p_and_q(rule):
+    """One sampled draft is accepted with probability sum_x min(p(x), q(x)) (here 0.7)."""
+    p, q = torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.2, 0.3, 0.2, 0.3])
+    generator = torch.Generator().manual_seed(0)
+    probs, drafts = torch.stack([p, p]), torch.stack([torch.zeros(4), q])
+    trials, accepted = 20000, 0
+    for _ in range(trials):
+        tokens = torch.stack([torch.tensor(3), sample(q, generator)])
+        if rule == "sequential":
+            verdict = verify_sampling(tokens, chain_parents(1), probs, drafts, generator)
+        else:
+            verdict = verify_sampled_chain(tokens, probs, drafts, generator)
+        accepted += verdict.num_accepted
+    assert abs(accepted / trials - 0.7) < 0.015

@@ -5,7 +5,8 @@ One speculative step:
    cache grows by exactly those positions), drafts a chain or an EAGLE-2 tree from the last one;
 2. ONE target forward verifies the root (the last produced token) and every draft node under a tree
    attention mask, capturing the aux states of all nodes;
-3. `verify_greedy` / `verify_sampling` pick the accepted path and the bonus token;
+3. `verify_greedy` / `verify_sampled_tree` / `verify_sampled_chain` pick the accepted path and the bonus token
+   (each with one host sync);
 4. the target cache keeps only the accepted nodes' KV entries; the drafter's draft slots are dropped
    and re-made next step from the target's states (what the drafter was trained on).
 
@@ -29,7 +30,7 @@ from eaglekit.decode.sampling import choose, draft_probs_to_target, logits_to_pr
 from eaglekit.decode.tree import (
     DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier,
 )
-from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_tree, verify_sampling
+from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_chain, verify_sampled_tree
 from eaglekit.errors import EaglekitError
 
 METHODS = ("tree", "chain", "plain")
@@ -155,7 +156,7 @@ def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, optio
     probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
     if tree.draft_probs is None:  # deterministic drafts (trees): one draw per node on the device
         return verify_sampled_tree(tree.tokens, tree.parents, ancestors, probs, generator)
-    return verify_sampling(tree.tokens, tree.parents, probs, tree.draft_probs, generator)
+    return verify_sampled_chain(tree.tokens, probs, tree.draft_probs, generator)  # drafts sampled: chains only
 
 
 class _Output:

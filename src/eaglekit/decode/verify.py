@@ -13,7 +13,9 @@ node c (child of p) is correct when it matches what the target produces after p.
   For one candidate per node this is the speculative-sampling rule of Leviathan et al. / Chen et al.;
   for several it is SpecInfer's multi-draft rule. Either way the output follows the target exactly.
   For one-hot drafts the rule equals "draw x ~ p at every node, follow the child whose token is x"
-  (`verify_sampled_tree`), which the decoder runs for trees: all draws at once, one host sync.
+  (`verify_sampled_tree`), which the decoder runs for trees: all draws at once, one host sync. For a
+  chain of sampled drafts the decoder runs `verify_sampled_chain`, the same rule for all positions at
+  once. `verify_sampling` (the rule as written, on the host) is the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -74,6 +76,33 @@ def verify_sampled_tree(
     one draw per node, all at once, and the greedy walk over the draws give the same output distribution
     as `verify_sampling`, with one host sync instead of one per child tried."""
     return verify_greedy(tokens, parents, ancestors, sample(target_probs, generator))
+
+
+def verify_sampled_chain(
+    tokens: torch.Tensor,  # (k+1,) the root, then k drafts
+    target_probs: torch.Tensor,  # (k+1, V) processed target distribution after each node
+    draft_probs: torch.Tensor,  # (k+1, V) row i: the distribution draft i was drawn from (row 0 unused)
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Speculative sampling of a chain of sampled drafts, on the device with one host sync.
+
+    Draft i is accepted with min(1, p(x_i) / q(x_i)) while all before it were; at the first rejection the
+    bonus is drawn from norm(max(0, p - q)) there (p itself if that is empty), after k accepts from the last
+    p: `verify_sampling`'s rule for a chain, all positions at once."""
+    k = tokens.shape[0] - 1
+    p, q = target_probs[:-1].float(), draft_probs[1:].float()  # (k, V): p before draft i, q it was drawn from
+    drafts = tokens[1:, None]
+    ratio = p.gather(1, drafts)[:, 0] / q.gather(1, drafts)[:, 0].clamp(min=1e-30)  # (k,)
+    accepted = torch.rand(k, generator=generator, device=p.device) < ratio
+    count = accepted.long().cumprod(0).sum()  # () leading accepts
+    residual = (p - q).clamp(min=0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q up to rounding: keep p
+    rows = torch.cat([residual, target_probs[-1:].float()])  # (k+1, V): the bonus distribution per outcome
+    bonus = sample(rows.index_select(0, count.reshape(1)), generator)  # (1,)
+    host = torch.cat([count.reshape(1), tokens, bonus]).tolist()  # the one host sync of a step
+    n = host[0]
+    return Verdict(path=list(range(n + 1)), tokens=host[2 : n + 2], bonus=int(host[-1]),
+                   path_tensor=torch.arange(n + 1, device=tokens.device), bonus_tensor=bonus)
 
 
 def recursive_rejection(
