@@ -225,14 +225,13 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
             stats.target_forwards += 1
             verdict = verify(tree, ancestors, logits, options, generator)
             stats.accepted.append(verdict.num_accepted)
-            # greedy verification hands the path back on the device: copying it up again would be a second sync
-            path = verdict.path_tensor if verdict.path_tensor is not None else torch.tensor(verdict.path, device=device)
+            path = verdict.path_tensor  # on the device: copying the host list back would be a second sync
             target_backend.keep(path)
             done = out.add(verdict.tokens + [verdict.bonus])
             if done:
                 break
-            token = (verdict.bonus_tensor if verdict.bonus_tensor is not None else torch.tensor([verdict.bonus], device=device))[0]
-            next_ids = torch.cat([tree.tokens[path[1:]], token.reshape(1)])
+            token = verdict.bonus_tensor[0]
+            next_ids = torch.cat([tree.tokens[path[1:]], verdict.bonus_tensor])
             hidden, draft_logits = drafter_backend.extend(aux[path], next_ids, m + torch.arange(len(verdict.path), device=device))
             m += len(verdict.path)
     stats.decode_seconds = time.perf_counter() - start_time - stats.prefill_seconds

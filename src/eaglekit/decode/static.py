@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from eaglekit.decode.engine import grow_tree
 from eaglekit.decode.tree import DraftTree
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import find_decoder, text_config
@@ -299,8 +300,6 @@ class StaticDrafter:
 
     def grow_tree(self, drafter, root_hidden, root_logits, root_token, start: int, options, vocab_size: int, generator):
         """`engine.grow_tree`, as one compiled graph where the draft is deterministic."""
-        from eaglekit.decode.engine import grow_tree
-
         if not self.compile or (options.method == "chain" and options.temperature > 0):
             return grow_tree(self, drafter, root_hidden, root_logits, root_token, start, options, vocab_size, generator)
         # only the fields that fix the graph's shapes; sampling settings, EOS and seed do not enter it
@@ -312,8 +311,6 @@ class StaticDrafter:
         return DraftTree(tokens, parents, depths), ancestors
 
     def _draft_graph(self, root_hidden, root_logits, root_token, start, stable, *, options, vocab_size):
-        from eaglekit.decode.engine import grow_tree
-
         tree, ancestors = grow_tree(_GraphSteps(self, stable), self.net.drafter, root_hidden, root_logits, root_token,
                                     start, options, vocab_size, None)
         return tree.tokens, tree.parents, tree.depths, ancestors

@@ -32,8 +32,8 @@ class Verdict:
     path: list[int]  # accepted node indices, root first (len = accepted drafts + 1)
     tokens: list[int]  # the accepted draft tokens (the path's nodes after the root)
     bonus: int  # the target's own next token after the last accepted node
-    path_tensor: torch.Tensor | None = None  # `path` already on the device (greedy), so the loop need not copy it back
-    bonus_tensor: torch.Tensor | None = None  # (1,) `bonus` on the device (greedy)
+    path_tensor: torch.Tensor  # (len(path),) `path` on the device, so the decode loop need not copy it back
+    bonus_tensor: torch.Tensor  # (1,) `bonus` on the device
 
     @property
     def num_accepted(self) -> int:
@@ -152,6 +152,7 @@ def verify_sampling(
         chosen, residual = recursive_rejection(target_probs[node], [token_list[c] for c in kids], rows, generator)
         if chosen < 0:
             bonus = int(sample(residual, generator))
-            return Verdict(path=path, tokens=[token_list[i] for i in path[1:]], bonus=bonus)
+            return Verdict(path=path, tokens=[token_list[i] for i in path[1:]], bonus=bonus,
+                           path_tensor=torch.tensor(path, device=tokens.device), bonus_tensor=torch.tensor([bonus], device=tokens.device))
         node = kids[chosen]
         path.append(node)
