@@ -101,19 +101,34 @@ def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: i
         run()  # warm-up / compile
         steps = [run().stats for _ in range(repeats)]
         out[method] = statistics.median(1000 * s.decode_seconds / max(len(s.accepted), 1) for s in steps)
-        if profile:
-            profile[method] = _profile_table(run)
+        if profile is not None:
+            trace = profile.pop("_trace_dir", "")
+            profile[method] = _profile_table(run, f"{trace}/trace_{method}.json" if trace else "")
+            if trace:
+                profile["_trace_dir"] = trace
     return out
 
 
-def _profile_table(fn) -> str:
-    """torch.profiler's table (host and device time per op) of one call: where a step's time goes."""
+def _profile_table(fn, trace: str = "") -> str:
+    """torch.profiler's table (host and device time per op) of one call: where a step's time goes. The
+    decode loop labels its phases (`eaglekit.draft`, `.verify_forward`, `.verify_and_sync`, `.keep`,
+    `.extend`), so their rows split a speculative step. `trace`: also write a Chrome trace there."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         fn()
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
+    if trace:
+        prof.export_chrome_trace(trace)
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
+
+
+def compile_counters() -> dict:
+    """torch.compile's own counters (graphs captured, recompiles, CUDA-graph skips): a speculative step
+    that silently fell back to eager shows up here."""
+    from torch._dynamo.utils import counters
+
+    return {group: dict(values) for group, values in counters.items() if values}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -124,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", default="", help="also write torch.profiler tables of a plain, chain and tree decode here (text)")
+    parser.add_argument("--trace-dir", default="", help="with --profile: also write Chrome traces of the chain and tree decodes here")
     parser.add_argument("--no-compile", action="store_true", help="static path without torch.compile")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -143,9 +159,14 @@ def main(argv: list[str] | None = None) -> dict:
     fast_seconds = _timed(lambda: decoder.generate(prompt, new_tokens, method="plain"), device, args.repeats)
     prefill = decoder.generate(prompt, new_tokens, method="plain").stats.prefill_seconds
 
-    tables: dict[str, str] = {"plain": _profile_table(lambda: decoder.generate(prompt, new_tokens, method="plain"))} if args.profile else {}
+    tables: dict[str, str] | None = None
+    if args.profile:
+        tables = {"plain": _profile_table(lambda: decoder.generate(prompt, new_tokens, method="plain"))}
+        if args.trace_dir:
+            tables["_trace_dir"] = args.trace_dir
     speculative = speculative_step_cost(model, device, dtype, prompt, new_tokens, compile_, args.repeats, tables)
     if args.profile:
+        tables.pop("_trace_dir", None)
         Path(args.profile).write_text("".join(f"## {method}\n{table}\n" for method, table in tables.items()))
 
     verify = {}
@@ -175,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         "plain_step_ms": 1000 * fast_seconds / new_tokens,
         "verify_ms_by_tokens_eager_static": verify,
         "verify_cost_relative_to_1_token": {n: ms / one for n, ms in verify.items()},
+        "compile_counters": compile_counters(),
         "environment": environment(),
     }
     atomic_write_json(args.output, result)

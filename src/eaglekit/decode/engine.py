@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from eaglekit.decode.sampling import choose, draft_probs_to_target, logits_to_probs, sample
 from eaglekit.decode.tree import (
@@ -220,19 +221,24 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
         # a backend may run the whole draft as one graph (static fast path); the reference grows it step by step
         grow = getattr(drafter_backend, "grow_tree", None) or functools.partial(grow_tree, drafter_backend)
         while not done:
-            tree, ancestors = grow(drafter, hidden[-1], draft_logits[-1], token, m, options, vocab_size, generator)
-            logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestors)
+            with record_function("eaglekit.draft"):
+                tree, ancestors = grow(drafter, hidden[-1], draft_logits[-1], token, m, options, vocab_size, generator)
+            with record_function("eaglekit.verify_forward"):
+                logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestors)
             stats.target_forwards += 1
-            verdict = verify(tree, ancestors, logits, options, generator)
+            with record_function("eaglekit.verify_and_sync"):
+                verdict = verify(tree, ancestors, logits, options, generator)
             stats.accepted.append(verdict.num_accepted)
             path = verdict.path_tensor  # on the device: copying the host list back would be a second sync
-            target_backend.keep(path)
+            with record_function("eaglekit.keep"):
+                target_backend.keep(path)
             done = out.add(verdict.tokens + [verdict.bonus])
             if done:
                 break
             token = verdict.bonus_tensor[0]
-            next_ids = torch.cat([tree.tokens[path[1:]], verdict.bonus_tensor])
-            hidden, draft_logits = drafter_backend.extend(aux[path], next_ids, m + torch.arange(len(verdict.path), device=device))
+            with record_function("eaglekit.extend"):
+                next_ids = torch.cat([tree.tokens[path[1:]], verdict.bonus_tensor])
+                hidden, draft_logits = drafter_backend.extend(aux[path], next_ids, m + torch.arange(len(verdict.path), device=device))
             m += len(verdict.path)
     stats.decode_seconds = time.perf_counter() - start_time - stats.prefill_seconds
     return GenerateResult(tokens=out.tokens, finish_reason=out.finish_reason, stats=stats)
