@@ -119,6 +119,7 @@ def _profile_table(fn, trace: str = "") -> str:
     with profile(activities=activities) as prof:
         fn()
     if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(trace)
     return prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
 

@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     from eaglekit.manifest import environment
 
     args = parse_args(argv)
+    if args.shard_dir:
+        Path(args.shard_dir).mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
         sys.exit("no CUDA GPU: run with --smoke for the CPU check")

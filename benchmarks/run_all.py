@@ -55,7 +55,8 @@ GPU = {
         "vocab": {"size": 4096},
         "train": {"epochs": 30, "max_steps": 800, "batch_size": 32, "max_length": 512, "lr": 6e-4,
                   "ttt_steps": 7, "val_fraction": 0.05, "log_every": 50, "save_every": 500, "compile": False},
-        "bench": {"num_prompts": 10, "max_new_tokens": 128, "repeats": 1, "warmup": 1,
+        "bench": {"num_prompts": 8, "max_new_tokens": 128, "repeats": 1, "warmup": 1,
+                  "methods": ["plain", "chain", "tree", "hf_assisted", "hf_prompt_lookup", "hf"],  # eaglekit's first
                   "temperatures": [0.0, 1.0], "depth": 6, "tree_top_k": 8, "total_tokens": 48, "chain_length": 4},
     },
 }
@@ -126,9 +127,10 @@ def run_train_speed(out: Path, smoke: bool, budget_s: float) -> None:
     _script("train_speed.py", *flags, "--out", str(out / "train_speed.json"))
 
 
-def run_regen_speed(out: Path, smoke: bool) -> None:
-    shape = ["--smoke"] if smoke else ["--shape", "8b"]
-    _script("regen_speed.py", *shape, "--records", "32", "--batch-size", "16", "--max-new-tokens", "64", "--repeats", "2",
+def run_regen_speed(work: Path, out: Path, smoke: bool) -> None:
+    """`regen --backend hf` against bare `model.generate` on the same batches of the reference target."""
+    target = ["--smoke"] if smoke else ["--target", str(work / "models" / "reference_target")]
+    _script("regen_speed.py", *target, "--records", "128", "--batch-size", "64", "--max-new-tokens", "128", "--repeats", "2",
             "--out", str(out / "regen_speed.json"))
 
 
@@ -191,7 +193,7 @@ def main() -> int:
         "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export")),
         "decode_speed": lambda: run_decode_speed(out, args.smoke),
         "train_speed": lambda: run_train_speed(out, args.smoke, args.train_speed_budget),
-        "regen_speed": lambda: run_regen_speed(out, args.smoke),
+        "regen_speed": lambda: run_regen_speed(work, out, args.smoke),
         "summary": lambda: summarise(work, out),
     }
     unknown = [p for p in parts if p not in steps]

@@ -253,13 +253,16 @@ def train_tokenizer(documents: list[str], vocab_size: int) -> Any:
     return tokenizer
 
 
-def token_stream(tokenizer: Any, documents: list[str]) -> torch.Tensor:
-    """All documents tokenized back to back. -> (N,) int64"""
+def token_stream(tokenizer: Any, documents: list[str], limit: int = 0) -> torch.Tensor:
+    """The documents tokenized back to back (stopping once `limit` tokens are there, if > 0). -> (N,) int64"""
     backend = tokenizer.backend_tokenizer
     ids: list[int] = []
-    for start in tqdm(range(0, len(documents), 2048), desc="tokenize", unit="batch", mininterval=5):
-        for encoding in backend.encode_batch(documents[start:start + 2048], add_special_tokens=False):
+    batch = 2048 if not limit else 64
+    for start in tqdm(range(0, len(documents), batch), desc="tokenize", unit="batch", mininterval=5):
+        for encoding in backend.encode_batch(documents[start:start + batch], add_special_tokens=False):
             ids.extend(encoding.ids)
+        if limit and len(ids) >= limit:
+            break
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -376,8 +379,11 @@ def record_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]]) -> 
     return out
 
 
+HELDOUT_WINDOWS = 48
+
+
 @torch.no_grad()
-def stream_loss(model: Any, stream: torch.Tensor, seq_len: int, max_windows: int = 48) -> tuple[float, int]:
+def stream_loss(model: Any, stream: torch.Tensor, seq_len: int, max_windows: int = HELDOUT_WINDOWS) -> tuple[float, int]:
     """Mean next-token loss over consecutive windows of a held-out token stream."""
     total, count = 0.0, 0
     for start in range(0, min(len(stream) - seq_len - 1, max_windows * seq_len), seq_len):
@@ -420,7 +426,9 @@ def evaluate(directory: Path, config: BuildConfig, eval_records: list[dict[str, 
     baseline = math.log(len(tokenizer))
     per_record = record_losses(model, tokenizer, eval_records)
     eval_loss = sum(r["loss_sum"] for r in per_record) / sum(r["tokens"] for r in per_record)
-    heldout_loss, heldout_tokens = stream_loss(model, token_stream(tokenizer, heldout_documents), config.seq_len)
+    # stream_loss reads only the first windows: tokenize just enough of the held-out documents for them
+    heldout = token_stream(tokenizer, heldout_documents, limit=(HELDOUT_WINDOWS + 1) * config.seq_len + 1)
+    heldout_loss, heldout_tokens = stream_loss(model, heldout, config.seq_len)
     samples = greedy_samples(model, tokenizer, eval_records[:: max(1, len(eval_records) // 6)][:6])  # spread over files
     return {
         "eval_loss": round(eval_loss, 4),

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,19 @@ class StepRecord:
     key: str
     directory: Path | None = None
     result: Any = field(default=None, repr=False)
+    peak_gpu_bytes: int | None = None  # most GPU memory torch held during the step (in this process); None = no GPU
+
+
+def _gpu_peak(reset: bool) -> int | None:
+    """Peak GPU bytes allocated since the last reset, where this process already uses CUDA (never starts it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    peak = max(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count()))
+    if reset:
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(d)
+    return peak
 
 
 def fingerprint(paths: Iterable[str | Path]) -> str:
@@ -126,7 +140,8 @@ def run_steps(steps: list[Step]) -> list[StepRecord]:
         marker = _read_marker(done)
         if marker.get("key") == key and complete:
             log.info("%s: finished earlier with the same options, skipped", step.name)
-            records.append(StepRecord(step.name, "skipped", float(marker.get("seconds", 0.0)), key, step.directory))
+            records.append(StepRecord(step.name, "skipped", float(marker.get("seconds", 0.0)), key, step.directory,
+                                      peak_gpu_bytes=marker.get("peak_gpu_bytes")))
             continue
         if step.directory.exists() and _read_key(started) != key:
             _move_aside(step)
@@ -134,9 +149,11 @@ def run_steps(steps: list[Step]) -> list[StepRecord]:
         step.directory.mkdir(parents=True, exist_ok=True)
         atomic_write_json(started, {"key": key})
         log.info("%s: running", step.name)
+        _gpu_peak(reset=True)
         start = time.perf_counter()
         result = step.execute(config)
         seconds = time.perf_counter() - start
-        atomic_write_json(done, {"key": key, "seconds": seconds})
-        records.append(StepRecord(step.name, "ran", seconds, key, step.directory, result))
+        peak = _gpu_peak(reset=True)  # a stage under torchrun runs in other processes: not seen here
+        atomic_write_json(done, {"key": key, "seconds": seconds, "peak_gpu_bytes": peak})
+        records.append(StepRecord(step.name, "ran", seconds, key, step.directory, result, peak))
     return records

@@ -235,8 +235,9 @@ def _section_steps(info: dict[str, Any]) -> list[str]:
     lines = ["# eaglekit run report", "", f"Target: `{config.get('target', '?')}`; data: "
              + ", ".join(f"`{d}`" for d in config.get("data", [])) + f"; training: {config.get('training', '?')}.", ""]
     if steps:
-        lines += ["| stage | this run | seconds (when it ran) | folder |", "|---|---|---|---|"]
-        lines += [f"| {s['stage']} | {s['status']} | {s['seconds']:.1f} | `{s['directory']}` |" for s in steps]
+        lines += ["| stage | this run | seconds (when it ran) | peak GPU GB | folder |", "|---|---|---|---|---|"]
+        lines += [f"| {s['stage']} | {s['status']} | {s['seconds']:.1f} | {_gb(s.get('peak_gpu_gb'))} | `{s['directory']}` |"
+                  for s in steps]
     return lines
 
 
@@ -380,3 +381,7 @@ def write_report(out: str | Path) -> Report:
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return Report(path, numbers, plots)
+
+
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

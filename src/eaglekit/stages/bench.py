@@ -207,7 +207,11 @@ def run(config: Config) -> dict[str, Any]:
     backend = resolve_backend(config.backend, target)
     runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device,
                      max(len(p) for p in prompts))
-    rows = []
+    rows: list[dict[str, Any]] = []
+    output = Path(config.output)
+    output.mkdir(parents=True, exist_ok=True)
+    result = {"rows": rows, "backend": backend, "num_prompts": len(prompts), "config": to_dict(config),
+              "environment": environment(), "complete": False}
     for temperature in config.temperatures:
         for method in methods:
             try:
@@ -216,9 +220,8 @@ def run(config: Config) -> dict[str, Any]:
                 log.exception("bench: %s at T=%g failed", method, temperature)
                 rows.append({"method": method, "temperature": temperature, "error": f"{type(error).__name__}: {error}"})
             log.info("%s", rows[-1])
-    output = Path(config.output)
-    output.mkdir(parents=True, exist_ok=True)
-    result = {"rows": rows, "backend": backend, "num_prompts": len(prompts), "config": to_dict(config), "environment": environment()}
+            atomic_write_json(output / "bench.json", result)  # an interrupted bench keeps the rows measured so far
+    result["complete"] = True
     atomic_write_json(output / "bench.json", result)
     atomic_write_text(output / "bench.md", _table(rows))
     _plot(rows, output / "bench.png")

@@ -284,6 +284,7 @@ def _doctor_step(directory: Path) -> Callable[[Any], Any]:
 
 def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
     return [{"stage": r.name, "status": r.status, "seconds": round(r.seconds, 2), "key": r.key,
+             "peak_gpu_gb": None if r.peak_gpu_bytes is None else round(r.peak_gpu_bytes / 1e9, 2),
              "directory": str(r.directory) if r.directory else None} for r in records]
 
 
