@@ -155,6 +155,8 @@ def bench_target(name: str, model: torch.nn.Module, device: torch.device, args) 
             "extract_write_GB_per_s": round(statistics.median(e["bytes"] / e["seconds"] for e in extract) / 1e9, 3),
             "bare_hidden_state_GB_per_s": round(bare_tps * bytes_per_token / 1e9, 3),
             "ratio_before_final_flush": round(statistics.median(tokens / e["loop_seconds"] for e in extract) / bare_tps, 4),
+            # once per run, not per batch: the last shard is written after the last forward
+            "final_flush_s": round(statistics.median(e["seconds"] - e["loop_seconds"] for e in extract), 3),
             "bare_all": [round(x, 1) for x in bare],
             "extract_all": [round(tokens / e["seconds"], 1) for e in extract],
             "writer_wait_s": [round(e["writer_wait_s"], 3) for e in extract], "shards_per_repeat": extract[0]["shards"],
