@@ -80,7 +80,7 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
 
 
 def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: int, compile_: bool, repeats: int,
-                          profile: dict[str, str] | None = None) -> dict:
+                          profile: dict[str, str] | None = None, methods: tuple[str, ...] = ("chain", "tree")) -> dict:
     """Milliseconds per speculative step (draft + verify + bookkeeping) with a random drafter of the
     target's width: what a step costs relative to a plain step, i.e. the tau a drafter must beat."""
     from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
@@ -95,7 +95,8 @@ def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: i
     drafter.set_vocab_mapping(torch.arange(config.draft_vocab_size))
     decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
     out = {}
-    for method, options in (("chain", {"chain_length": 4}), ("tree", {"depth": 6, "tree_top_k": 8, "total_tokens": 48})):
+    shapes = {"chain": {"chain_length": 4}, "tree": {"depth": 6, "tree_top_k": 8, "total_tokens": 48}}
+    for method, options in ((m, shapes[m]) for m in methods):
         def run():
             return decoder.generate(prompt, new_tokens, method=method, **options)
         run()  # warm-up / compile
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", default="", help="also write torch.profiler tables of a plain, chain and tree decode here (text)")
     parser.add_argument("--trace-dir", default="", help="with --profile: also write Chrome traces of the chain and tree decodes here")
+    parser.add_argument("--methods", default="chain,tree", help="speculative step costs to measure (comma list; '' = none)")
+    parser.add_argument("--skip-hf", action="store_true", help="do not time HF generate (its figures become NaN)")
+    parser.add_argument("--skip-verify-sweep", action="store_true", help="do not time the eager verify cost per token count")
     parser.add_argument("--no-compile", action="store_true", help="static path without torch.compile")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -154,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = list(range(1, 33))
 
     hf_prompt = torch.tensor([prompt], device=device)
-    hf_seconds = _timed(lambda: model.generate(hf_prompt, attention_mask=torch.ones_like(hf_prompt), max_new_tokens=new_tokens,
-                                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), device, args.repeats)
+    hf_seconds = float("nan") if args.skip_hf else _timed(
+        lambda: model.generate(hf_prompt, attention_mask=torch.ones_like(hf_prompt), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), device, args.repeats)
     decoder = Decoder(model, None, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
     fast_seconds = _timed(lambda: decoder.generate(prompt, new_tokens, method="plain"), device, args.repeats)
     prefill = decoder.generate(prompt, new_tokens, method="plain").stats.prefill_seconds
@@ -165,14 +170,15 @@ def main(argv: list[str] | None = None) -> dict:
         tables = {"plain": _profile_table(lambda: decoder.generate(prompt, new_tokens, method="plain"))}
         if args.trace_dir:
             tables["_trace_dir"] = args.trace_dir
-    speculative = speculative_step_cost(model, device, dtype, prompt, new_tokens, compile_, args.repeats, tables)
+    speculative = speculative_step_cost(model, device, dtype, prompt, new_tokens, compile_, args.repeats, tables,
+                                        tuple(m for m in args.methods.split(",") if m))
     if args.profile:
         tables.pop("_trace_dir", None)
         Path(args.profile).write_text("".join(f"## {method}\n{table}\n" for method, table in tables.items()))
 
     verify = {}
     target = StaticTarget(model, 256, None, compile=False)
-    for n in (1, 2, 4, 8, 16, 32, 48, 64):
+    for n in () if args.skip_verify_sweep else (1, 2, 4, 8, 16, 32, 48, 64):
         ids = torch.randint(0, model.config.vocab_size, (n,), device=device)
         mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
             target.forward(ids[:1], torch.zeros(1, dtype=torch.long, device=device), mask[:1, :1])
             target.forward(ids, torch.arange(1, n + 1, device=device), mask)
         verify[n] = 1000 * _timed(step, device, args.repeats)
-    one = verify[1]
+    one = verify.get(1, float("nan"))
     bound = bandwidth / model_bytes
     fast_tps = new_tokens / fast_seconds
     hf_tps = new_tokens / hf_seconds

@@ -5,6 +5,8 @@ length limit; the static fast path equals the eager path."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -104,7 +106,7 @@ def test_static_rejects_moe_and_bad_options():
 
 def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     """compile=True traced on the CPU (a frame-counting backend instead of inductor + CUDA graphs): the same
-    tokens as the eager path, the whole tree draft is one graph, and decoding more steps adds no graphs."""
+    tokens as the eager path, a whole greedy step is one graph, and decoding more steps adds no graphs."""
     from torch._dynamo.testing import CompileCounter
 
     from eaglekit.decode import static
@@ -120,7 +122,7 @@ def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
     assert decoder.generate(PROMPT, NEW, **tree).tokens == reference
     graphs = counter.frame_count
-    assert graphs == 3  # the target verify step, the whole draft (3 levels, top-k, selection, mask), the padded extend
+    assert graphs == 1  # greedy: the whole step (draft, verify, verification, KV compaction, extend) is one graph
     assert decoder.generate(PROMPT[:4], 2 * NEW, **tree).tokens == generate(target, drafter, PROMPT[:4], 2 * NEW, **tree).tokens
     assert counter.frame_count == graphs  # positions and cache lengths are graph inputs, not constants
     for kwargs in (dict(method="chain", chain_length=3), dict(tree, temperature=1.0, seed=3), dict(method="chain", temperature=1.0, seed=3)):
@@ -129,6 +131,34 @@ def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     fast = Decoder(target, None, backend="static", compile=True, max_length=128).generate(PROMPT, NEW, method="plain")
     assert fast.tokens == reference
     assert generate(target, oracle, PROMPT, NEW, backend="static", compile=True, **tree).tokens == reference
+
+
+def always_right_pair():
+    """A real target and a real EAGLE-3 drafter (so the static fused path runs) that always agree: the target's
+    final norm is zero, so its logits are all 0 and greedy picks id 0; every draft id maps to target id 0."""
+    target = copy.deepcopy(tiny_target("llama"))
+    drafter = random_drafter(target)
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+        drafter.d2t.copy_(-torch.arange(drafter.d2t.numel()))  # offsets: draft id i -> target id 0
+    return target, drafter
+
+
+def test_fused_greedy_step_ahead_fits_the_tightest_cache():
+    """The greedy loop queues a step before reading the last one; with the smallest cache `generate` accepts
+    and a drafter that is always right (the fastest-growing case) it must stop queueing, not overflow."""
+    new = 14  # 3 drafts + bonus per step: 1 + 3 x 4 = 13 tokens, then a step to 17 with one more queued behind it
+    target, drafter = always_right_pair()
+    for method in ("tree", "chain"):  # (a top-1 tree: equal draft logits would make a wide one shallow)
+        options = dict(method=method, depth=3, tree_top_k=1, total_tokens=3, chain_length=3)
+        decoder = Decoder(target, drafter, backend="static", max_length=len(PROMPT) + new + 3 + 2)
+        result = decoder.generate(PROMPT, new, **options)
+        assert result.tokens == [0] * new, method
+        assert result.stats.accepted == [3] * 4, method  # the step queued after the last one is not counted
+    random_target = tiny_target("llama")
+    result = Decoder(random_target, random_drafter(random_target), backend="static", max_length=len(PROMPT) + new + 10).generate(
+        PROMPT, new, method="tree", depth=3, tree_top_k=3, total_tokens=8)
+    assert result.tokens == hf_greedy(random_target, new)
 
 
 def test_compiled_padded_extend_equals_eager(monkeypatch):

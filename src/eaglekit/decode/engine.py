@@ -14,8 +14,10 @@ Positions: the root sits at position m (the number of tokens the target has cach
 d at m + d. The drafter step for position t reads (feature of t, token t+1), so a depth-d node is fed
 at drafter position m + d - 1 with its parent's output hidden state.
 The loop is shared by the eager reference backends (`backends.py`) and the static fast path
-(`static.py`); with greedy verification a step has exactly one host synchronisation (the accepted
-path, which the variable-length output and the EOS check need) and no host-to-device copies.
+(`static.py`) when sampling; with greedy verification a step has exactly one host synchronisation (the
+accepted path, which the variable-length output and the EOS check need) and no host-to-device copies.
+Greedy decoding on the static fast path runs all five pieces as one step function instead, a step
+ahead of the host (`fused.py`).
 """
 
 from __future__ import annotations
@@ -218,6 +220,11 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     elif not done:
         hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
                                                       torch.arange(n, device=device))
+        fused = getattr(drafter_backend, "fused_greedy", None)
+        fused = fused(target_backend, options, vocab_size) if fused is not None and options.temperature <= 0 else None
+        if fused is not None:  # static fast path, greedy: the whole step on the device, one step ahead (fused.py)
+            fused.run(hidden[-1], draft_logits[-1], token, m, out, stats)
+            done = True
         # a backend may run the whole draft as one graph (static fast path); the reference grows it step by step
         grow = getattr(drafter_backend, "grow_tree", None) or functools.partial(grow_tree, drafter_backend)
         while not done:

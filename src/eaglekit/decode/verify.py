@@ -40,20 +40,32 @@ class Verdict:
         return len(self.path) - 1
 
 
+def greedy_path(
+    tokens: torch.Tensor,  # (N,) node tokens, root first
+    parents: torch.Tensor,  # (N,) -1 for the root
+    ancestors: torch.Tensor,  # (N, N) bool ancestors-or-self (`tree.ancestor_matrix`)
+    target_ids: torch.Tensor,  # (N,) target argmax after each node
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The longest correct root path, on the device with nothing read back -> (on_path (N,) bool, order (N,):
+    the path's nodes first in tree order (root first), then the rest; bonus (1,): the target's token after it).
+    The path length is on_path.sum(). Tensor indexing throughout, not `[best]`: that would read `best` back."""
+    correct = (tokens == target_ids[parents.clamp(min=0)]) | (parents < 0)  # (N,) the root is the target's own token
+    path_ok = ~(ancestors & ~correct[None, :]).any(dim=1)  # (N,) every ancestor-or-self correct
+    depth = ancestors.sum(dim=1)  # (N,) 1 + depth
+    best = torch.argmax(torch.where(path_ok, depth, torch.zeros_like(depth))).reshape(1)  # first deepest correct node
+    on_path = ancestors.index_select(0, best)[0]  # (N,)
+    order = torch.sort((~on_path).to(torch.uint8), stable=True).indices  # path nodes first, in tree order
+    return on_path, order, target_ids.index_select(0, best)
+
+
 def verify_greedy(
     tokens: torch.Tensor,  # (N,) node tokens, root first
     parents: torch.Tensor,  # (N,) -1 for the root
     ancestors: torch.Tensor,  # (N, N) bool ancestors-or-self (`tree.ancestor_matrix`)
     target_ids: torch.Tensor,  # (N,) target argmax after each node
 ) -> Verdict:
-    """Longest correct root path, computed on the device with a single transfer to the host."""
-    correct = (tokens == target_ids[parents.clamp(min=0)]) | (parents < 0)  # (N,) the root is the target's own token
-    path_ok = ~(ancestors & ~correct[None, :]).any(dim=1)  # (N,) every ancestor-or-self correct
-    depth = ancestors.sum(dim=1)  # (N,) 1 + depth
-    best = torch.argmax(torch.where(path_ok, depth, torch.zeros_like(depth))).reshape(1)  # first deepest correct node
-    on_path = ancestors.index_select(0, best)[0]  # (N,) tensor indexing, not `[best]`: that would read `best` back
-    bonus = target_ids.index_select(0, best)  # (1,)
-    order = torch.sort((~on_path).to(torch.uint8), stable=True).indices  # path nodes first, in tree order
+    """Longest correct root path (`greedy_path`), with a single transfer to the host."""
+    on_path, order, bonus = greedy_path(tokens, parents, ancestors, target_ids)
     n = tokens.shape[0]
     host = torch.cat([on_path.long(), tokens, bonus]).tolist()  # the one host sync of a step
     path = [i for i, on in enumerate(host[:n]) if on]
