@@ -229,6 +229,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--target", default="", help="measure this local model directory instead of a random --shape model")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=16, help="batches per timed repeat")
@@ -260,7 +261,12 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit("no CUDA GPU: run with --smoke for the CPU check")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     torch.manual_seed(0)
-    rows = bench_target(f"llama-{args.shape}-shape (random)", build_llama(args.shape, device, dtype), device, args)
+    if args.target:  # a trained model directory (the reference benchmark's target) instead of the random shape
+        from eaglekit.target.loading import load_target
+
+        rows = bench_target(args.target, load_target(args.target, device=device, dtype=dtype), device, args)
+    else:
+        rows = bench_target(f"llama-{args.shape}-shape (random)", build_llama(args.shape, device, dtype), device, args)
     tiny = None if args.no_tiny else load_tiny(device, dtype)
     if tiny is not None:
         max_positions = tiny.config.get_text_config().max_position_embeddings

@@ -1,16 +1,22 @@
 """The GPU reference benchmark: the whole eaglekit pipeline on a self-trained target, beside its peers.
 
-    # one H200, three device commands of < 10 min, each issued as soon as the last returns (the machine and
-    # runs/reference stay warm for 30 s); each part skips what is already on disk under --work:
-    python benchmarks/run_all.py --parts target --work runs/reference --out $OUT               # ~7 min
-    python benchmarks/run_all.py --parts pipeline,bench --work runs/reference --out $OUT       # ~3 + ~5 min
-    python benchmarks/run_all.py --parts speed,summary --work runs/reference --out $OUT        # ~6 min
+    # one H200 (30 device-minutes a session, 10 per command; the machine and runs/reference stay warm for
+    # 30 s after a command, so issue the next one at once); each part skips what is already on disk:
+    python benchmarks/run_all.py --parts target --work runs/reference --out $OUT                   # ~7 min
+    python benchmarks/run_all.py --parts pipeline,bench --work runs/reference --out $OUT           # ~3 + ~5.5 min
+    # then, with the speculators wheels carried (benchmarks/peer_speculators.py says which):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+    python benchmarks/run_all.py --parts peer,summary --work runs/reference --out $OUT              # ~3 min
+    # the speed figures need no trained target and fit one command of their own (~7 min):
+    python benchmarks/run_all.py --parts speed,summary --work runs/reference --out $OUT
     # the same flow at toy sizes on a CPU, under a minute:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
-Measured on 2026-12-02 (H200): target 553 s (of which 2 x 88 s tokenizing the corpus, now cached for the
-draft LM), pipeline 180 s, bench with every method ~6.5 min (HF generate, assisted and prompt lookup
-take ~30-40 s per method and temperature on 10 prompts), train_speed's compiled flex case 92 s to compile.
+Measured on H200s on 2026-12-02: target 553 s (of which 2 x 88 s tokenizing the corpus; the tokenized
+stream is now cached for the draft LM and the held-out loss tokenizes only the windows it reads), pipeline
+180 s, bench with every method ~6.5 min on 10 prompts (HF generate, assisted and prompt lookup take ~30-40 s
+per method and temperature; 8 prompts now), train_speed's four cases 103 s, decode_speed 163 s,
+extract_speed on the 8B shape 31 s, regen_speed on a 1B shape 73 s.
 
 Parts
 - target:   trains the reference target (Llama, own BPE tokenizer, ChatML template) from scratch on the
@@ -25,7 +31,11 @@ Parts
             and export.
 - speed:    benchmarks/decode_speed.py on the reference target's shape (plain vs chain vs tree step
             cost, with a profiler table), benchmarks/train_speed.py (8B-shaped drafter: tokens/s, MFU,
-            peak memory) and benchmarks/regen_speed.py (regen vs bare generate).
+            peak memory), benchmarks/regen_speed.py (regen vs bare generate on the reference target) and
+            benchmarks/extract_speed.py (extract vs the bare forward on the reference target, shards in
+            RAM and on disk).
+- peer:     benchmarks/peer_speculators.py on the pipeline's run: a drafter trained by vLLM's speculators
+            on the same shards, vocabulary, split, shape and steps, both evaluated and benched the same way.
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
 """
 
@@ -61,7 +71,7 @@ GPU = {
     },
 }
 SMOKE = {
-    "target": dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=128,
+    "target": dict(hidden_size=64, num_layers=8, num_heads=2, num_kv_heads=1, intermediate_size=128,
                    vocab_size=1024, seq_len=128, batch_size=4, steps=4, corpus="stdlib", corpus_mb=2.0,
                    num_prompts=24, num_eval=4, device="cpu", threads=2),
     "draft_lm": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, steps=2),
@@ -134,6 +144,25 @@ def run_regen_speed(work: Path, out: Path, smoke: bool) -> None:
             "--out", str(out / "regen_speed.json"))
 
 
+def run_extract_speed(work: Path, out: Path, smoke: bool) -> None:
+    """extract vs the bare forward on the reference target's own shape, shards in RAM (/dev/shm: what the
+    pipeline sustains) and on the disk (what this machine's disk allows)."""
+    if smoke:
+        _script("extract_speed.py", "--smoke", "--no-tiny", "--no-quant", "--out", str(out / "extract_speed_reference_ram.json"))
+        return
+    shape = ["--target", str(work / "models" / "reference_target"), "--batch-size", "64", "--seq-len", "512", "--steps", "24",
+             "--repeats", "2", "--no-tiny", "--no-quant"]
+    _script("extract_speed.py", *shape, "--shard-dir", "/dev/shm/eaglekit-extract", "--out", str(out / "extract_speed_reference_ram.json"))
+    _script("extract_speed.py", *shape, "--out", str(out / "extract_speed_reference_disk.json"))
+
+
+def run_peer(work: Path, out: Path, smoke: bool) -> None:
+    """The peer trainer (speculators, importable by this Python) on the pipeline's run, both drafters benched."""
+    device = "cpu" if smoke else "cuda"
+    _script("peer_speculators.py", "--run", str(work / "run"), "--device", device, "--bench", "--peer-python", sys.executable,
+            "--out", str(out / "peer_speculators.json"))
+
+
 def run_decode_speed(out: Path, smoke: bool) -> None:
     """Step costs on the reference target's shape (random weights): plain vs chain vs tree, profiled."""
     shape = ["--smoke"] if smoke else ["--shape", "reference"]
@@ -162,6 +191,8 @@ def summarise(work: Path, out: Path) -> dict:
         "train_speed": load(out / "train_speed.json"),
         "regen_speed": load(out / "regen_speed.json"),
         "decode_speed_reference": load(out / "decode_speed_reference.json"),
+        "extract_speed_reference": {name: load(out / f"extract_speed_reference_{name}.json") for name in ("ram", "disk")},
+        "peer_speculators": load(out / "peer_speculators.json"),
     }
     for key in ("reference_target", "draft_lm"):
         if summary[key]:
@@ -176,7 +207,7 @@ def summarise(work: Path, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
-                        help="comma list of: target, pipeline, bench, decode_speed, train_speed, regen_speed (speed = all three), summary")
+                        help="comma list of: target, pipeline, bench, peer, decode_speed, train_speed, regen_speed, extract_speed (speed = all four), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
@@ -186,14 +217,17 @@ def main() -> int:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    parts = [q for p in args.parts.split(",") for q in (("decode_speed", "train_speed", "regen_speed") if p == "speed" else (p,))]
+    speed = ("decode_speed", "train_speed", "regen_speed", "extract_speed")
+    parts = [q for p in args.parts.split(",") for q in (speed if p == "speed" else (p,))]
     steps = {
         "target": lambda: build_models(work, sizes),
         "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
         "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export")),
+        "peer": lambda: run_peer(work, out, args.smoke),
         "decode_speed": lambda: run_decode_speed(out, args.smoke),
         "train_speed": lambda: run_train_speed(out, args.smoke, args.train_speed_budget),
         "regen_speed": lambda: run_regen_speed(work, out, args.smoke),
+        "extract_speed": lambda: run_extract_speed(work, out, args.smoke),
         "summary": lambda: summarise(work, out),
     }
     unknown = [p for p in parts if p not in steps]
