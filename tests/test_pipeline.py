@@ -115,3 +115,50 @@ def test_git_commit_prefers_the_named_tree(monkeypatch):
     assert git_commit() == "6a52322"
     monkeypatch.delenv("EAGLEKIT_COMMIT")
     assert git_commit() != "6a52322"
+
+
+class _FakeCuda:
+    """torch.cuda as `pipeline._gpu_peak` sees it on a machine with two GPUs in use."""
+
+    def __init__(self):
+        self.peaks, self.resets = [3_000_000_000, 5_000_000_000], []
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def device_count(self):
+        return 2
+
+    def max_memory_allocated(self, device):
+        return self.peaks[device]
+
+    def reset_peak_memory_stats(self, device):
+        self.resets.append(device)
+        self.peaks[device] = 0
+
+
+def test_peak_gpu_memory_is_recorded_per_step(tmp_path, monkeypatch):
+    """Each step that ran records the most GPU memory any device held during it (peaks are reset between
+    steps); a skipped step keeps the figure of the run that made it; without CUDA in use it is None."""
+    import sys
+    import types
+
+    calls: list[str] = []
+    records = run_steps(make_steps(tmp_path / "cpu", [1, 2, 3], calls))
+    assert [r.peak_gpu_bytes for r in records] == [None] * 3
+
+    cuda = _FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    steps = make_steps(tmp_path / "gpu", [1, 2], calls)
+
+    def heavy(config):  # the step's own work raises device 0's peak
+        cuda.peaks[0] = 7_000_000_000
+    steps[1].execute = heavy
+    records = run_steps(steps)
+    assert [r.peak_gpu_bytes for r in records] == [0, 7_000_000_000]  # earlier use was reset before step a
+    assert cuda.resets.count(0) == 4  # before and after each step
+    again = run_steps(make_steps(tmp_path / "gpu", [1, 2], calls))
+    assert [(r.status, r.peak_gpu_bytes) for r in again] == [("skipped", 0), ("skipped", 7_000_000_000)]
