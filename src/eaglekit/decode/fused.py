@@ -127,7 +127,10 @@ class FusedGreedy:
             stats.target_forwards += 1
             confirmed += count
             done = out.add(values[1 : 1 + count])
-        self.target.length = self.drafter.stable_length = confirmed  # a step still queued is dropped with the caches
+        for _, event in queued:  # the step queued after the last one: its time counts, its tokens do not
+            if event is not None:
+                event.synchronize()
+        self.target.length = self.drafter.stable_length = confirmed
 
     def _launch(self, slot: int):
         if self.target.compile:
