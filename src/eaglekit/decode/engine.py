@@ -16,8 +16,8 @@ at drafter position m + d - 1 with its parent's output hidden state.
 The loop is shared by the eager reference backends (`backends.py`) and the static fast path
 (`static.py`) when sampling; with greedy verification a step has exactly one host synchronisation (the
 accepted path, which the variable-length output and the EOS check need) and no host-to-device copies.
-Greedy decoding on the static fast path runs all five pieces as one step function instead, a step
-ahead of the host (`fused.py`).
+On the static fast path, greedy decoding and sampled trees run all five pieces as one step function
+instead, a step ahead of the host (`fused.py`).
 """
 
 from __future__ import annotations
@@ -220,10 +220,10 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     elif not done:
         hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
                                                       torch.arange(n, device=device))
-        fused = getattr(drafter_backend, "fused_greedy", None)
-        fused = fused(target_backend, options, vocab_size) if fused is not None and options.temperature <= 0 else None
-        if fused is not None:  # static fast path, greedy: the whole step on the device, one step ahead (fused.py)
-            fused.run(hidden[-1], draft_logits[-1], token, m, out, stats)
+        fused = getattr(drafter_backend, "fused_step", None)
+        fused = fused(target_backend, options, vocab_size) if fused is not None else None
+        if fused is not None:  # static fast path: the whole step on the device, one step ahead (fused.py)
+            fused.run(hidden[-1], draft_logits[-1], token, m, out, stats, generator)
             done = True
         # a backend may run the whole draft as one graph (static fast path); the reference grows it step by step
         grow = getattr(drafter_backend, "grow_tree", None) or functools.partial(grow_tree, drafter_backend)

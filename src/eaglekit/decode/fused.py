@@ -1,10 +1,11 @@
-"""Greedy speculative decoding on the static fast path as ONE step function, run a step ahead of the host.
+"""Speculative decoding on the static fast path as ONE step function, run a step ahead of the host.
 
 A speculative step of `engine.decode_loop` is five pieces (draft, verify forward, verification, KV
 compaction, drafter extend) with the host in between: it reads the accepted path, then launches the next
 pieces. On a small target the host work (Python, dispatch, one CUDA-graph launch per piece) cost more
-than the GPU work (profiled on an H200: 3.4 ms per tree step, of which 1.9 ms on the GPU). Here the whole
-greedy step is one function of device state, so with `compile=True` it is one CUDA graph:
+than the GPU work (profiled on an H200: 3.4 ms per tree step, of which 1.9 ms on the GPU). Here a whole
+greedy step (chain or tree), or a sampled tree step, is one function of device state, so with
+`compile=True` it is one CUDA graph:
 
     draft from (root hidden, root logits, root token)  ->  verify the tree at cache length m
     ->  accepted path, count and bonus (`greedy_path`)  ->  keep the path's KV entries
@@ -14,9 +15,12 @@ Everything a step needs (the root, the target length m, the drafter's stable len
 the step updates in place, so step k+1 can be launched before step k's tokens reach the host: the loop
 keeps one step queued while it reads the previous one (one pinned copy and one event wait per step), and
 the GPU never idles on the host. The host only learns the tokens, checks EOS and the length budget, and
-drops the step queued after the last one. Sampling (T > 0) keeps `engine.decode_loop`: its draws take a
-seeded generator that a captured graph does not. Tests: equal tokens and acceptance to the eager
-reference, one graph per step, no host transfers that grow with the steps.
+drops the step queued after the last one. A sampled tree verifies by one draw per node
+(`verify.verify_sampled_tree`); the step's uniforms are drawn from the seeded generator just before its
+launch (a captured graph cannot take a generator), exactly as `sampling.sample` would draw them, so the
+tokens equal the reference loop's. Sampled chains (drafts drawn from q) keep `engine.decode_loop`.
+Tests: equal tokens and acceptance to the eager reference, one graph per step, no host transfers that
+grow with the steps, no overrun of the tightest cache.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from eaglekit.decode.engine import DecodeOptions, DecodeStats, grow_tree
+from eaglekit.decode.sampling import logits_to_probs, sample, uniforms
 from eaglekit.decode.verify import greedy_path
 from eaglekit.errors import EaglekitError
 
@@ -53,8 +58,17 @@ def tree_mask(columns: torch.Tensor, length: torch.Tensor, ancestors: torch.Tens
     return (columns < length)[None, :] | (ancestors[:, relative.clamp(0, n - 1)] & inside[None, :])
 
 
-class FusedGreedy:
-    """Greedy chain/tree decoding over a `StaticTarget` and a `StaticDrafter` (see the module docstring)."""
+def fused_shape(options: DecodeOptions) -> DecodeOptions | None:
+    """The options that fix a fused step's graph (None: sampled chains, which the fused step does not run)."""
+    if options.temperature > 0 and options.method == "chain":
+        return None
+    if options.temperature <= 0:
+        options = replace(options, temperature=0.0, top_k=0, top_p=1.0)
+    return replace(options, eos_token_ids=(), seed=0)
+
+
+class FusedStep:
+    """Greedy chains/trees and sampled trees over a `StaticTarget` and a `StaticDrafter` (module docstring)."""
 
     def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int):
         from eaglekit.decode.static import _compiled, _static_buffers
@@ -66,15 +80,15 @@ class FusedGreedy:
         self.nodes = 1 + (options.chain_length if options.method == "chain" else options.total_tokens)  # verify width
         self.path = min(options.draft_depth, self.nodes - 1) + 1  # longest accepted path, bonus included
         self.capacity = min(target.capacity, drafter.capacity)
-        shape = replace(options, temperature=0.0, top_k=0, top_p=1.0, eos_token_ids=(), seed=0)
-        self.step = _compiled(functools.partial(self._step, options=shape, vocab_size=vocab_size), target.compile)
+        self.options = fused_shape(options)
+        self.step = _compiled(functools.partial(self._step, options=self.options, vocab_size=vocab_size), target.compile)
         if target.compile:
             _static_buffers(self.state)
         self._host = [torch.zeros(self.path + 1, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
 
-    def _step(self, *, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
-        """One greedy step on the state -> (1 + path,): the path length c, then the step's new tokens (the
-        c - 1 accepted drafts and the bonus) padded to the longest path."""
+    def _step(self, u: torch.Tensor | None = None, *, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
+        """One step on the state -> (1 + path,): the path length c, then the step's new tokens (the c - 1
+        accepted drafts and the bonus) padded to the longest path. `u` (N, 1): the sampled tree's uniforms."""
         from eaglekit.decode.static import _GraphSteps, _compact
 
         state, target, drafter = self.state, self.target, self.drafter
@@ -85,7 +99,11 @@ class FusedGreedy:
         offsets = torch.arange(n, device=m.device)
         mask = tree_mask(target._columns, m, ancestors)[None, None]
         logits, aux = target.net(tree.tokens, m + tree.depths, m + offsets, mask)
-        on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
+        if options.temperature > 0:  # one draw per node, walked like greedy (verify_sampled_tree)
+            target_ids = sample(logits_to_probs(logits, options.temperature, options.top_k, options.top_p), None, u)
+        else:
+            target_ids = logits.argmax(-1)
+        on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids)
         count = on_path.sum()  # () nodes on the accepted path, root included
         path = order[: self.path]  # (P,) the path, then nodes that fill the padding rows
         _compact(target.net.kv_cache, 4, m, path)  # padding rows land past m + count, where the next verify writes
@@ -101,7 +119,7 @@ class FusedGreedy:
         return torch.cat([count.reshape(1), new_tokens])
 
     def run(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor, length: int,
-            out, stats: DecodeStats) -> None:
+            out, stats: DecodeStats, generator: torch.Generator | None = None) -> None:
         """Decode after the prefill (state: the drafter's output at the last prompt position, the first
         token, `length` cached tokens) until `out` says stop."""
         state = self.state
@@ -114,7 +132,7 @@ class FusedGreedy:
         while not done:
             # queue steps (at most two: one running, one waiting) while the cache surely has room for them
             while len(queued) < 2 and confirmed + self.path * len(queued) + self.nodes <= self.capacity:
-                queued.append(self._launch(launched % 2))
+                queued.append(self._launch(launched % 2, generator))
                 launched += 1
             if not queued:
                 raise EaglekitError(f"static KV cache full ({self.capacity} slots); raise max_length")
@@ -132,10 +150,13 @@ class FusedGreedy:
                 event.synchronize()
         self.target.length = self.drafter.stable_length = confirmed
 
-    def _launch(self, slot: int):
+    def _launch(self, slot: int, generator: torch.Generator | None):
+        args = ()
+        if self.options.temperature > 0:  # drawn as `sample` would draw them for the (N, V) verify distribution
+            args = (uniforms((self.nodes, 1), generator, self.state.token.device),)
         if self.target.compile:
             torch.compiler.cudagraph_mark_step_begin()
-        emitted = self.step()
+        emitted = self.step(*args)
         host = self._host[slot]
         host.copy_(emitted, non_blocking=True)
         if not emitted.is_cuda:

@@ -36,14 +36,21 @@ def logits_to_probs(
     return logits.softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def uniforms(probs_shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The (..., 1) uniforms `sample` draws for probabilities of `probs_shape`, drawn the same way (so a
+    caller can draw them ahead, outside a captured graph, and get the same samples)."""
+    return torch.rand(tuple(probs_shape[:-1]) + (1,), generator=generator, device=device)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) probabilities (need not sum to 1) -> (...) long ids, one categorical draw per row.
 
     Inverse CDF: the first id whose cumulative mass exceeds u * total, u ~ U[0, 1). Zero-mass ids are
-    never drawn; one uniform per row instead of one exponential per id (a tree verifies every node's draw)."""
+    never drawn; one uniform per row instead of one exponential per id (a tree verifies every node's draw).
+    `u` ((..., 1), from `uniforms`) replaces the draw from `generator`."""
     cdf = probs.float().cumsum(-1)  # (..., V)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    u = uniforms(cdf.shape, generator, cdf.device) if u is None else u
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def choose(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,

@@ -258,7 +258,7 @@ class StaticDrafter:
         self.step = _compiled(self.net, compile)
         self._columns = torch.arange(self.total, device=self.device)  # (capacity + draft_slots,)
         self._graphs: dict = {}  # compiled whole drafts, by the options that fix their shapes
-        self._fused: dict = {}  # greedy step functions (fused.py), by target and options shape
+        self._fused: dict = {}  # one-function steps (fused.py), by target and options shape
         self._extend_step = _compiled(self._extend, compile)
         if compile:
             _static_buffers(self.net)
@@ -311,15 +311,17 @@ class StaticDrafter:
         tokens, parents, depths, ancestors = _call(self._graphs[shape], True, root_hidden, root_logits, root_token, start_t, stable_t)
         return DraftTree(tokens, parents, depths), ancestors
 
-    def fused_greedy(self, target, options, vocab_size: int):
-        """The one-function greedy step over `target` (a `StaticTarget`) and this drafter (`fused.FusedGreedy`)."""
-        from eaglekit.decode.fused import FusedGreedy
+    def fused_step(self, target, options, vocab_size: int):
+        """The one-function step over `target` (a `StaticTarget`) and this drafter (`fused.FusedStep`), or None
+        where it does not apply (another target backend, sampled chains)."""
+        from eaglekit.decode.fused import FusedStep, fused_shape
 
-        if not isinstance(target, StaticTarget):
+        shape = fused_shape(options)
+        if not isinstance(target, StaticTarget) or shape is None:
             return None
-        key = (id(target), replace(options, temperature=0.0, top_k=0, top_p=1.0, eos_token_ids=(), seed=0), vocab_size)
+        key = (id(target), shape, vocab_size)
         if key not in self._fused:
-            self._fused[key] = FusedGreedy(target, self, options, vocab_size)
+            self._fused[key] = FusedStep(target, self, options, vocab_size)
         return self._fused[key]
 
     def _draft_graph(self, root_hidden, root_logits, root_token, start, stable, *, options, vocab_size):
