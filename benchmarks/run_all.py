@@ -2,6 +2,7 @@
 
     # one H200 (30 device-minutes a session, 10 per command; the machine and runs/reference stay warm for
     # 30 s after a command, so issue the next one at once); each part skips what is already on disk:
+    python -m pytest -q tests/test_decode_gpu.py   # first: the compiled CUDA fast path equals the eager one (~1 min)
     python benchmarks/run_all.py --parts target --work runs/reference --out $OUT                   # ~7 min
     python benchmarks/run_all.py --parts pipeline,bench --work runs/reference --out $OUT           # ~3 + ~5.5 min
     # then, with the speculators wheels carried (benchmarks/peer_speculators.py says which):

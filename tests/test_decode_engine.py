@@ -94,6 +94,24 @@ def test_static_fast_path_sampling_equals_eager():
         assert fast.tokens == eager.tokens
 
 
+def test_fused_sampled_tree_equals_eager_over_seeds(monkeypatch):
+    """The fused step draws a sampled tree's uniforms before each launch exactly as the reference loop draws
+    them: the same tokens and acceptance for every seed, with top-k and top-p filtering too."""
+    from eaglekit.decode import fused
+
+    runs = []
+    original = fused.FusedStep.run
+    monkeypatch.setattr(fused.FusedStep, "run", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    target = tiny_target("llama")
+    drafter = random_drafter(target)
+    for seed in range(4):
+        kwargs = dict(method="tree", temperature=1.0, top_k=20, top_p=0.9, seed=seed, depth=3, tree_top_k=3, total_tokens=8)
+        eager = generate(target, drafter, PROMPT, NEW, backend="eager", **kwargs)
+        fast = generate(target, drafter, PROMPT, NEW, backend="static", **kwargs)
+        assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted), seed
+    assert len(runs) == 4  # the static path took the fused step each time
+
+
 def test_static_rejects_moe_and_bad_options():
     target = tiny_target("qwen3_moe")
     with pytest.raises(EaglekitError, match="backend=eager"):
