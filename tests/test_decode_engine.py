@@ -6,6 +6,7 @@ length limit; the static fast path equals the eager path."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -94,9 +95,9 @@ def test_static_fast_path_sampling_equals_eager():
         assert fast.tokens == eager.tokens
 
 
-def test_fused_sampled_tree_equals_eager_over_seeds(monkeypatch):
-    """The fused step draws a sampled tree's uniforms before each launch exactly as the reference loop draws
-    them: the same tokens and acceptance for every seed, with top-k and top-p filtering too."""
+def test_fused_sampling_equals_eager_over_seeds(monkeypatch):
+    """The fused step draws a sampled step's uniforms before each launch exactly as the reference loop draws
+    them: the same tokens and acceptance for every seed, chains and trees, with top-k and top-p filtering too."""
     from eaglekit.decode import fused
 
     runs = []
@@ -104,12 +105,12 @@ def test_fused_sampled_tree_equals_eager_over_seeds(monkeypatch):
     monkeypatch.setattr(fused.FusedStep, "run", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
     target = tiny_target("llama")
     drafter = random_drafter(target)
-    for seed in range(4):
-        kwargs = dict(method="tree", temperature=1.0, top_k=20, top_p=0.9, seed=seed, depth=3, tree_top_k=3, total_tokens=8)
+    for seed, method in itertools.product(range(3), ("tree", "chain")):
+        kwargs = dict(method=method, temperature=1.0, top_k=20, top_p=0.9, seed=seed, depth=3, tree_top_k=3, total_tokens=8)
         eager = generate(target, drafter, PROMPT, NEW, backend="eager", **kwargs)
         fast = generate(target, drafter, PROMPT, NEW, backend="static", **kwargs)
         assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted), seed
-    assert len(runs) == 4  # the static path took the fused step each time
+    assert len(runs) == 6  # the static path took the fused step each time
 
 
 def test_static_rejects_moe_and_bad_options():
@@ -179,31 +180,6 @@ def test_fused_greedy_step_ahead_fits_the_tightest_cache():
     assert result.tokens == hf_greedy(random_target, new)
 
 
-def test_compiled_padded_extend_equals_eager(monkeypatch):
-    """The compiled drafter extend pads every accepted-path length to one shape; its outputs and the
-    cache it leaves behind (seen by the next draft step) equal the eager extend's."""
-    from eaglekit.decode import static
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(static, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True, "dynamic": False})
-    target = tiny_target("llama")
-    drafter = random_drafter(target)
-    width = 3 * target.config.hidden_size
-    backends = [static.StaticDrafter(drafter, 64, 6, compile=c, max_extend=4) for c in (False, True)]
-    torch.manual_seed(0)
-    with torch.inference_mode():
-        start = 0
-        for t in (5, 3, 1, 4, 2):  # a prefill, then accepted paths of every length up to max_extend
-            aux, ids = torch.randn(t, width), torch.randint(0, target.config.vocab_size, (t,))
-            positions = torch.arange(start, start + t)
-            (h0, l0), (h1, l1) = (b.extend(aux, ids, positions) for b in backends)
-            torch.testing.assert_close(h1, h0)
-            torch.testing.assert_close(l1, l0)
-            start += t
-            step = [b.draft_step(h0[-1:], ids[-1:], torch.tensor([start]), torch.ones(1, 1, dtype=torch.bool)) for b in backends]
-            torch.testing.assert_close(step[1][1], step[0][1])
-
-
 class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts ops that move data between host and device: tensors made from host data (`torch.tensor`), and
     scalar reads (`.item()`, indexing with a 0-d tensor). On a GPU each is a copy, most a synchronisation."""
@@ -224,8 +200,8 @@ def test_speculative_steps_make_no_host_transfers(backend, compiled, monkeypatch
     host<->device traffic: decoding 3x as many tokens makes exactly as many transfers (the prefill's)."""
     from eaglekit.decode import static
 
-    # compile=True takes the graph paths (the whole draft, the padded extend); here they run uncompiled, since
-    # dynamo does not trace under a dispatch mode
+    # compile=True takes the graph path (the fused step); here it runs uncompiled, since dynamo does not
+    # trace under a dispatch mode
     monkeypatch.setattr(static, "_compiled", lambda fn, enabled: fn)
     target = tiny_target("llama")
     decoder = Decoder(target, random_drafter(target), backend=backend, compile=compiled, max_length=128)

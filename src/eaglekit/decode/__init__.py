@@ -54,11 +54,10 @@ class Decoder:
             return EagerDrafter(self.drafter)
         from eaglekit.decode.static import StaticDrafter
 
-        slots = opts.chain_length if opts.method == "chain" else opts.depth * opts.tree_top_k
-        key = (slots, opts.draft_depth + 1)  # draft slots, longest extend (accepted path + bonus)
-        if key not in self._drafters:
-            self._drafters[key] = StaticDrafter(self.drafter, self.max_length, slots, compile=self.compile, max_extend=key[1])
-        backend = self._drafters[key]
+        slots = opts.chain_length if opts.method == "chain" else opts.depth * opts.tree_top_k  # draft slots
+        if slots not in self._drafters:
+            self._drafters[slots] = StaticDrafter(self.drafter, self.max_length, slots, compile=self.compile)
+        backend = self._drafters[slots]
         backend.reset()
         return backend
 

@@ -16,13 +16,12 @@ at drafter position m + d - 1 with its parent's output hidden state.
 The loop is shared by the eager reference backends (`backends.py`) and the static fast path
 (`static.py`) when sampling; with greedy verification a step has exactly one host synchronisation (the
 accepted path, which the variable-length output and the EOS check need) and no host-to-device copies.
-On the static fast path, greedy decoding and sampled trees run all five pieces as one step function
-instead, a step ahead of the host (`fused.py`).
+On the static fast path every speculative step runs the five pieces as one step function instead, a
+step ahead of the host (`fused.py`).
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -225,11 +224,10 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
         if fused is not None:  # static fast path: the whole step on the device, one step ahead (fused.py)
             fused.run(hidden[-1], draft_logits[-1], token, m, out, stats, generator)
             done = True
-        # a backend may run the whole draft as one graph (static fast path); the reference grows it step by step
-        grow = getattr(drafter_backend, "grow_tree", None) or functools.partial(grow_tree, drafter_backend)
         while not done:
             with record_function("eaglekit.draft"):
-                tree, ancestors = grow(drafter, hidden[-1], draft_logits[-1], token, m, options, vocab_size, generator)
+                tree, ancestors = grow_tree(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options,
+                                            vocab_size, generator)
             with record_function("eaglekit.verify_forward"):
                 logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestors)
             stats.target_forwards += 1

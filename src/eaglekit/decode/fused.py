@@ -4,8 +4,8 @@ A speculative step of `engine.decode_loop` is five pieces (draft, verify forward
 compaction, drafter extend) with the host in between: it reads the accepted path, then launches the next
 pieces. On a small target the host work (Python, dispatch, one CUDA-graph launch per piece) cost more
 than the GPU work (profiled on an H200: 3.4 ms per tree step, of which 1.9 ms on the GPU). Here a whole
-greedy step (chain or tree), or a sampled tree step, is one function of device state, so with
-`compile=True` it is one CUDA graph:
+step (greedy or sampled, chain or tree) is one function of device state, so with `compile=True` it is
+one CUDA graph:
 
     draft from (root hidden, root logits, root token)  ->  verify the tree at cache length m
     ->  accepted path, count and bonus (`greedy_path`)  ->  keep the path's KV entries
@@ -15,12 +15,11 @@ Everything a step needs (the root, the target length m, the drafter's stable len
 the step updates in place, so step k+1 can be launched before step k's tokens reach the host: the loop
 keeps one step queued while it reads the previous one (one pinned copy and one event wait per step), and
 the GPU never idles on the host. The host only learns the tokens, checks EOS and the length budget, and
-drops the step queued after the last one. A sampled tree verifies by one draw per node
-(`verify.verify_sampled_tree`); the step's uniforms are drawn from the seeded generator just before its
-launch (a captured graph cannot take a generator), exactly as `sampling.sample` would draw them, so the
-tokens equal the reference loop's. Sampled chains (drafts drawn from q) keep `engine.decode_loop`.
-Tests: equal tokens and acceptance to the eager reference, one graph per step, no host transfers that
-grow with the steps, no overrun of the tightest cache.
+drops the step queued after the last one. Sampling: a captured graph cannot take a generator, so a
+step's uniforms are drawn from the seeded generator just before its launch, in the order and shapes the
+reference loop draws them (`_draw_shapes`), and handed to the step as `sampling.PreDrawn`: the tokens
+equal the reference loop's for every seed. Tests: equal tokens and acceptance to the eager reference,
+one graph per step, no host transfers that grow with the steps, no overrun of the tightest cache.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ import torch
 from torch import nn
 
 from eaglekit.decode.engine import DecodeOptions, DecodeStats, grow_tree
-from eaglekit.decode.sampling import logits_to_probs, sample, uniforms
-from eaglekit.decode.verify import greedy_path
+from eaglekit.decode.sampling import PreDrawn, logits_to_probs, sample
+from eaglekit.decode.verify import greedy_path, sampled_chain_path
 from eaglekit.errors import EaglekitError
 
 
@@ -58,17 +57,15 @@ def tree_mask(columns: torch.Tensor, length: torch.Tensor, ancestors: torch.Tens
     return (columns < length)[None, :] | (ancestors[:, relative.clamp(0, n - 1)] & inside[None, :])
 
 
-def fused_shape(options: DecodeOptions) -> DecodeOptions | None:
-    """The options that fix a fused step's graph (None: sampled chains, which the fused step does not run)."""
-    if options.temperature > 0 and options.method == "chain":
-        return None
+def fused_shape(options: DecodeOptions) -> DecodeOptions:
+    """The options that fix a fused step's graph (sampling settings only where it samples)."""
     if options.temperature <= 0:
         options = replace(options, temperature=0.0, top_k=0, top_p=1.0)
     return replace(options, eos_token_ids=(), seed=0)
 
 
 class FusedStep:
-    """Greedy chains/trees and sampled trees over a `StaticTarget` and a `StaticDrafter` (module docstring)."""
+    """Chains and trees, greedy or sampled, over a `StaticTarget` and a `StaticDrafter` (module docstring)."""
 
     def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int):
         from eaglekit.decode.static import _compiled, _static_buffers
@@ -85,26 +82,42 @@ class FusedStep:
         if target.compile:
             _static_buffers(self.state)
         self._host = [torch.zeros(self.path + 1, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
+        self._draw_shapes = self.draw_shapes(self.options, self.nodes)
 
-    def _step(self, u: torch.Tensor | None = None, *, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
+    @staticmethod
+    def draw_shapes(options: DecodeOptions, nodes: int) -> list[tuple[int, ...]]:
+        """The uniforms one step of the reference loop draws, in order: a sampled chain draws each draft
+        (`sample` of (1, Vd)), then the k acceptance tests and the bonus (`verify.sampled_chain_path`); a
+        sampled tree draws one token per node (`verify.verify_sampled_tree`); greedy draws nothing."""
+        if options.temperature <= 0:
+            return []
+        if options.method == "chain":
+            k = nodes - 1
+            return [(1, 1)] * k + [(k,), (1, 1)]
+        return [(nodes, 1)]
+    def _step(self, *draws: torch.Tensor, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
         """One step on the state -> (1 + path,): the path length c, then the step's new tokens (the c - 1
-        accepted drafts and the bonus) padded to the longest path. `u` (N, 1): the sampled tree's uniforms."""
+        accepted drafts and the bonus) padded to the longest path. `draws`: the step's uniforms (sampling)."""
         from eaglekit.decode.static import _GraphSteps, _compact
 
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
+        source = PreDrawn(draws)
         tree, ancestors = grow_tree(_GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits, state.token,
-                                    m, options, vocab_size, None)
+                                    m, options, vocab_size, source)
         n = tree.tokens.shape[0]
         offsets = torch.arange(n, device=m.device)
         mask = tree_mask(target._columns, m, ancestors)[None, None]
         logits, aux = target.net(tree.tokens, m + tree.depths, m + offsets, mask)
-        if options.temperature > 0:  # one draw per node, walked like greedy (verify_sampled_tree)
-            target_ids = sample(logits_to_probs(logits, options.temperature, options.top_k, options.top_p), None, u)
-        else:
-            target_ids = logits.argmax(-1)
-        on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids)
-        count = on_path.sum()  # () nodes on the accepted path, root included
+        if options.temperature > 0 and tree.draft_probs is not None:  # sampled chain: the p/q rule
+            probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
+            accepted, bonus = sampled_chain_path(tree.tokens, probs, tree.draft_probs, source)
+            order, count = offsets, accepted + 1
+        else:  # greedy, or a sampled tree: one draw per node walked like greedy (verify_sampled_tree)
+            target_ids = (sample(logits_to_probs(logits, options.temperature, options.top_k, options.top_p), source)
+                          if options.temperature > 0 else logits.argmax(-1))
+            on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids)
+            count = on_path.sum()  # () nodes on the accepted path, root included
         path = order[: self.path]  # (P,) the path, then nodes that fill the padding rows
         _compact(target.net.kv_cache, 4, m, path)  # padding rows land past m + count, where the next verify writes
         after = torch.cat([path[1:], path[:1]])  # (P,) the node after each path node (last row: a dummy)
@@ -151,12 +164,11 @@ class FusedStep:
         self.target.length = self.drafter.stable_length = confirmed
 
     def _launch(self, slot: int, generator: torch.Generator | None):
-        args = ()
-        if self.options.temperature > 0:  # drawn as `sample` would draw them for the (N, V) verify distribution
-            args = (uniforms((self.nodes, 1), generator, self.state.token.device),)
+        device = self.state.token.device
+        draws = [torch.rand(shape, generator=generator, device=device) for shape in self._draw_shapes]
         if self.target.compile:
             torch.compiler.cudagraph_mark_step_begin()
-        emitted = self.step(*args)
+        emitted = self.step(*draws)
         host = self._host[slot]
         host.copy_(emitted, non_blocking=True)
         if not emitted.is_cuda:

@@ -36,20 +36,29 @@ def logits_to_probs(
     return logits.softmax(-1)
 
 
-def uniforms(probs_shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """The (..., 1) uniforms `sample` draws for probabilities of `probs_shape`, drawn the same way (so a
-    caller can draw them ahead, outside a captured graph, and get the same samples)."""
-    return torch.rand(tuple(probs_shape[:-1]) + (1,), generator=generator, device=device)
+class PreDrawn:
+    """Uniforms drawn ahead of a captured graph (which cannot take a generator), handed out in the order the
+    code that runs in the graph asks for them: passed where a generator goes, it makes that code draw the
+    same numbers as with the generator itself."""
+
+    def __init__(self, values) -> None:
+        self.values = list(values)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
+def rand(shape: tuple[int, ...], generator: torch.Generator | PreDrawn | None, device: torch.device) -> torch.Tensor:
+    """torch.rand(shape) from `generator`, or the next pre-drawn uniforms."""
+    if isinstance(generator, PreDrawn):
+        return generator.values.pop(0)
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | PreDrawn | None = None) -> torch.Tensor:
     """(..., V) probabilities (need not sum to 1) -> (...) long ids, one categorical draw per row.
 
     Inverse CDF: the first id whose cumulative mass exceeds u * total, u ~ U[0, 1). Zero-mass ids are
-    never drawn; one uniform per row instead of one exponential per id (a tree verifies every node's draw).
-    `u` ((..., 1), from `uniforms`) replaces the draw from `generator`."""
+    never drawn; one uniform per row instead of one exponential per id (a tree verifies every node's draw)."""
     cdf = probs.float().cumsum(-1)  # (..., V)
-    u = uniforms(cdf.shape, generator, cdf.device) if u is None else u
+    u = rand(tuple(cdf.shape[:-1]) + (1,), generator, cdf.device)
     return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 

@@ -6,25 +6,18 @@ forward reuses the loaded HF model's own modules (q/k/v/o projections, optional 
 norms, MLP, embedding, lm_head), so no weights are copied and Llama, Mistral, Qwen2 (qkv bias) and
 Qwen3 (q/k norm) all run through it; anything else (MoE, MLA, sliding windows) uses the eager
 backend. With `compile=True` the fixed-shape work runs under `torch.compile(mode="reduce-overhead")`
-(CUDA graphs on GPU): the target's verify / plain step, the drafter's extend (padded to the longest
-accepted path) and the WHOLE deterministic draft of a step (every level, top-k, tree selection and the
-ancestor mask in one graph; sampled chains go step by step). Only the two prefills run eagerly, so a
-speculative step is three graph replays plus verification. Tests compare every output with the eager
-reference.
+(CUDA graphs on GPU): the target's plain step, and every speculative step as one graph (`fused.py`:
+draft, verify, verification, KV compaction and the drafter's extend). Only the two prefills run eagerly.
+Tests compare every output with the eager reference.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eaglekit.decode.engine import grow_tree
-from eaglekit.decode.tree import DraftTree
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import find_decoder, text_config
 
@@ -240,26 +233,20 @@ class _StaticDraftNet(nn.Module):
 
 
 class StaticDrafter:
-    """Drafter backend over `_StaticDraftNet` (same methods as `backends.EagerDrafter`).
+    """Drafter backend over `_StaticDraftNet` (the prefill extend of `backends.EagerDrafter`'s methods; the
+    speculative steps run in `fused.FusedStep`, which calls the step module through `_GraphSteps`).
 
     Slots [0, capacity) hold target-feature positions; [capacity, capacity + draft_slots) this step's drafts.
-    With `compile`, a deterministic draft (any tree, a greedy chain) runs as ONE captured graph per
-    options shape (`grow_tree`): every level's drafter step, top-k, tree selection and the ancestor mask,
-    with no host round trip; sampled chains run step by step, each step compiled.
     """
 
-    def __init__(self, drafter: nn.Module, capacity: int, draft_slots: int, compile: bool = False, max_extend: int = 8):
+    def __init__(self, drafter: nn.Module, capacity: int, draft_slots: int, compile: bool = False):
         self.net = _StaticDraftNet(drafter, capacity, draft_slots)
-        self.max_extend = max_extend  # longest accepted path + 1: compiled extends are padded to it
         self.device = self.net.cos.device
         self.capacity, self.total = capacity, capacity + draft_slots
         self.stable_length = 0
         self.compile = compile
-        self.step = _compiled(self.net, compile)
         self._columns = torch.arange(self.total, device=self.device)  # (capacity + draft_slots,)
-        self._graphs: dict = {}  # compiled whole drafts, by the options that fix their shapes
         self._fused: dict = {}  # one-function steps (fused.py), by target and options shape
-        self._extend_step = _compiled(self._extend, compile)
         if compile:
             _static_buffers(self.net)
 
@@ -267,16 +254,10 @@ class StaticDrafter:
         self.stable_length = 0
 
     def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
-        t, stable = next_ids.shape[0], self.stable_length
-        self.stable_length += t
-        pad = self.max_extend - t
-        if not self.compile or stable == 0 or pad < 0 or stable + self.max_extend > self.capacity:
-            return self._extend(aux, next_ids, positions, stable)  # the prefill (one variable shape) runs eagerly
-        # after the prefill T = accepted + 1 varies; padded to max_extend it is one graph. Padding rows write
-        # K/V past the new stable length, where nothing reads them before the next extend overwrites them.
-        aux, next_ids, positions = (F.pad(x, (0, 0, 0, pad) if x.dim() == 2 else (0, pad), value=0) for x in (aux, next_ids, positions))
-        hidden, logits = _call(self._extend_step, True, aux, next_ids, positions, torch.full((), stable, device=self.device))
-        return hidden[:t], logits[:t]
+        """The prefill (eager: one variable shape per prompt)."""
+        stable = self.stable_length
+        self.stable_length += next_ids.shape[0]
+        return self._extend(aux, next_ids, positions, stable)
 
     def _extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, stable: int | torch.Tensor):
         """Append T feature positions after the first `stable`: row r sees columns <= stable + r."""
@@ -295,44 +276,22 @@ class StaticDrafter:
         slots = self.capacity + used + torch.arange(k, device=self.device)
         return slots, mask[None, None]
 
-    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
-        slots, mask = self.step_inputs(ids, visible, self.stable_length)
-        return _call(self.step, self.compile, hidden, ids, positions, slots, mask)
-
-    def grow_tree(self, drafter, root_hidden, root_logits, root_token, start: int, options, vocab_size: int, generator):
-        """`engine.grow_tree`, as one compiled graph where the draft is deterministic."""
-        if not self.compile or (options.method == "chain" and options.temperature > 0):
-            return grow_tree(self, drafter, root_hidden, root_logits, root_token, start, options, vocab_size, generator)
-        # only the fields that fix the graph's shapes; sampling settings, EOS and seed do not enter it
-        shape = replace(options, temperature=0.0, top_k=0, top_p=1.0, eos_token_ids=(), seed=0)
-        if shape not in self._graphs:
-            self._graphs[shape] = _compiled(functools.partial(self._draft_graph, options=shape, vocab_size=vocab_size), True)
-        start_t, stable_t = (torch.full((), x, dtype=torch.long, device=self.device) for x in (start, self.stable_length))  # fills, not copies
-        tokens, parents, depths, ancestors = _call(self._graphs[shape], True, root_hidden, root_logits, root_token, start_t, stable_t)
-        return DraftTree(tokens, parents, depths), ancestors
-
     def fused_step(self, target, options, vocab_size: int):
-        """The one-function step over `target` (a `StaticTarget`) and this drafter (`fused.FusedStep`), or None
-        where it does not apply (another target backend, sampled chains)."""
+        """The one-function step over `target` (a `StaticTarget`) and this drafter (`fused.FusedStep`); None
+        for another target backend."""
         from eaglekit.decode.fused import FusedStep, fused_shape
 
-        shape = fused_shape(options)
-        if not isinstance(target, StaticTarget) or shape is None:
+        if not isinstance(target, StaticTarget):
             return None
-        key = (id(target), shape, vocab_size)
+        key = (id(target), fused_shape(options), vocab_size)
         if key not in self._fused:
             self._fused[key] = FusedStep(target, self, options, vocab_size)
         return self._fused[key]
 
-    def _draft_graph(self, root_hidden, root_logits, root_token, start, stable, *, options, vocab_size):
-        tree, ancestors = grow_tree(_GraphSteps(self, stable), self.net.drafter, root_hidden, root_logits, root_token,
-                                    start, options, vocab_size, None)
-        return tree.tokens, tree.parents, tree.depths, ancestors
-
 
 class _GraphSteps:
-    """The drafter backend `engine.draft` sees inside the compiled whole-draft graph: plain calls of the
-    step module (the graph is captured once around all of them), the stable length as a tensor."""
+    """The drafter backend `engine.draft` sees inside the fused step: plain calls of the step module (the
+    graph is captured once around the whole step), the stable length as a tensor."""
 
     def __init__(self, owner: StaticDrafter, stable: torch.Tensor):
         self.owner, self.stable = owner, stable

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglekit.decode.sampling import sample
+from eaglekit.decode.sampling import PreDrawn, rand, sample
 
 
 @dataclass
@@ -90,13 +90,14 @@ def verify_sampled_tree(
     return verify_greedy(tokens, parents, ancestors, sample(target_probs, generator))
 
 
-def verify_sampled_chain(
+def sampled_chain_path(
     tokens: torch.Tensor,  # (k+1,) the root, then k drafts
     target_probs: torch.Tensor,  # (k+1, V) processed target distribution after each node
     draft_probs: torch.Tensor,  # (k+1, V) row i: the distribution draft i was drawn from (row 0 unused)
-    generator: torch.Generator | None = None,
-) -> Verdict:
-    """Speculative sampling of a chain of sampled drafts, on the device with one host sync.
+    generator: torch.Generator | PreDrawn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of a chain of sampled drafts, on the device with nothing read back -> (count ():
+    accepted drafts, bonus (1,)).
 
     Draft i is accepted with min(1, p(x_i) / q(x_i)) while all before it were; at the first rejection the
     bonus is drawn from norm(max(0, p - q)) there (p itself if that is empty), after k accepts from the last
@@ -105,12 +106,22 @@ def verify_sampled_chain(
     p, q = target_probs[:-1].float(), draft_probs[1:].float()  # (k, V): p before draft i, q it was drawn from
     drafts = tokens[1:, None]
     ratio = p.gather(1, drafts)[:, 0] / q.gather(1, drafts)[:, 0].clamp(min=1e-30)  # (k,)
-    accepted = torch.rand(k, generator=generator, device=p.device) < ratio
+    accepted = rand((k,), generator, p.device) < ratio
     count = accepted.long().cumprod(0).sum()  # () leading accepts
     residual = (p - q).clamp(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q up to rounding: keep p
     rows = torch.cat([residual, target_probs[-1:].float()])  # (k+1, V): the bonus distribution per outcome
-    bonus = sample(rows.index_select(0, count.reshape(1)), generator)  # (1,)
+    return count, sample(rows.index_select(0, count.reshape(1)), generator)
+
+
+def verify_sampled_chain(
+    tokens: torch.Tensor,  # (k+1,) the root, then k drafts
+    target_probs: torch.Tensor,  # (k+1, V) processed target distribution after each node
+    draft_probs: torch.Tensor,  # (k+1, V) row i: the distribution draft i was drawn from (row 0 unused)
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """`sampled_chain_path` with one host sync."""
+    count, bonus = sampled_chain_path(tokens, target_probs, draft_probs, generator)
     host = torch.cat([count.reshape(1), tokens, bonus]).tolist()  # the one host sync of a step
     n = host[0]
     return Verdict(path=list(range(n + 1)), tokens=host[2 : n + 2], bonus=int(host[-1]),
