@@ -19,7 +19,6 @@ into train / prompts / eval; the prompts and eval files are never trained on. Wr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import logging
