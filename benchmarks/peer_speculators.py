@@ -352,9 +352,11 @@ def bench(run: Path, drafter: Path, output: Path, device: str) -> dict[str, Any]
 
     if not (run / "run.yaml").is_file():
         raise SystemExit(f"--bench reads the bench prompts from {run}/run.yaml (an `eaglekit run` output); it has none")
-    step = next((s for s in plan(load_config(Config, run / "run.yaml", {"out": str(run)})) if s.name == "bench"), None)
+    # the run's bench section, wired as `eaglekit run` wires it, also when the run has not benched yet
+    stages = ["regen", "extract", "vocab", "train", "bench"]
+    step = next((s for s in plan(load_config(Config, run / "run.yaml", {"out": str(run), "stages": stages})) if s.name == "bench"), None)
     if step is None:
-        raise SystemExit(f"{run}/run.yaml has no bench stage: add bench to its stages")
+        raise SystemExit(f"{run}/run.yaml gives no bench stage")
     config = dataclasses.replace(step.make_config(), drafter=str(drafter), output=str(output), methods=("chain", "tree"),
                                  temperatures=(0.0,), repeats=1, warmup=0, compile=False, device=device)
     rows = bench_stage.run(config)["rows"]

@@ -4,12 +4,14 @@
     # 30 s after a command, so issue the next one at once); each part skips what is already on disk:
     python -m pytest -q tests/test_decode_gpu.py   # first: the compiled CUDA fast path equals the eager one (~1 min)
     python benchmarks/run_all.py --parts target --work runs/reference --out $OUT                   # ~7 min
-    python benchmarks/run_all.py --parts pipeline,bench --work runs/reference --out $OUT           # ~3 + ~5.5 min
-    # then, with the speculators wheels carried (benchmarks/peer_speculators.py says which):
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-    python benchmarks/run_all.py --parts peer,summary --work runs/reference --out $OUT              # ~3 min
-    # the speed figures need no trained target and fit one command of their own (~7 min):
-    python benchmarks/run_all.py --parts speed,summary --work runs/reference --out $OUT
+    # pipeline, then the peer trainer and the reference target's extract/regen speed; speculators' wheels
+    # (benchmarks/peer_speculators.py lists them) go to a folder that only the peer's process sees:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    EAGLEKIT_PEER_SITE=/tmp/site python benchmarks/run_all.py --parts pipeline,peer,regen_speed,extract_speed \
+        --work runs/reference --out $OUT                                                           # ~3 + 3 + 2 min
+    python benchmarks/run_all.py --parts bench,summary --work runs/reference --out $OUT            # ~7-8 min
+    # the remaining speed figures need no trained target (decode_speed, train_speed: ~5 min):
+    python benchmarks/run_all.py --parts decode_speed,train_speed,summary --work runs/reference --out $OUT
     # the same flow at toy sizes on a CPU, under a minute:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -158,10 +161,15 @@ def run_extract_speed(work: Path, out: Path, smoke: bool) -> None:
 
 
 def run_peer(work: Path, out: Path, smoke: bool) -> None:
-    """The peer trainer (speculators, importable by this Python) on the pipeline's run, both drafters benched."""
+    """The peer trainer on the pipeline's run, both drafters benched. speculators and its needs are found on
+    this Python's path, or in the folder EAGLEKIT_PEER_SITE names (put on the path of the peer's process only,
+    so its pinned libraries never shadow the pipeline's)."""
     device = "cpu" if smoke else "cuda"
+    env = dict(os.environ)
+    if env.get("EAGLEKIT_PEER_SITE"):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env["EAGLEKIT_PEER_SITE"], env.get("PYTHONPATH", "")) if p)
     _script("peer_speculators.py", "--run", str(work / "run"), "--device", device, "--bench", "--peer-python", sys.executable,
-            "--out", str(out / "peer_speculators.json"))
+            "--out", str(out / "peer_speculators.json"), env=env)
 
 
 def run_decode_speed(out: Path, smoke: bool) -> None:
@@ -170,9 +178,9 @@ def run_decode_speed(out: Path, smoke: bool) -> None:
     _script("decode_speed.py", *shape, "--output", str(out / "decode_speed_reference.json"), "--profile", str(out / "decode_profile.txt"))
 
 
-def _script(name: str, *args: str) -> None:
+def _script(name: str, *args: str, env: dict[str, str] | None = None) -> None:
     log(f"running {name} {' '.join(args)}")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=560)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=560, env=env)
 
 
 def summarise(work: Path, out: Path) -> dict:
