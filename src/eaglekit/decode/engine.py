@@ -94,6 +94,15 @@ class GenerateResult:
     stats: DecodeStats
 
 
+def draft_size(options: DecodeOptions) -> int:
+    """Nodes one step verifies, root included: the chain, or the `total_tokens` best of the tree's pool (top-k
+    children of the root, then top-k children of each of the top-k frontier nodes at every further level)."""
+    if options.method == "chain":
+        return 1 + options.chain_length
+    k = options.tree_top_k
+    return 1 + min(options.total_tokens, k + (options.depth - 1) * k * k)
+
+
 def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor,
           start: int | torch.Tensor, options: DecodeOptions, vocab_size: int, generator: torch.Generator | None) -> DraftTree:
     """Grow a chain or EAGLE-2 tree from the root. root_hidden (H,), root_logits (Vd,), root_token ().

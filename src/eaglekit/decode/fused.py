@@ -8,7 +8,7 @@ step (greedy or sampled, chain or tree) is one function of device state, so with
 one CUDA graph:
 
     draft from (root hidden, root logits, root token)  ->  verify the tree at cache length m
-    ->  accepted path, count and bonus (`greedy_path`)  ->  keep the path's KV entries
+    ->  accepted path, count and bonus (`greedy_path`, `sampled_chain_path`)  ->  keep the path's KV entries
     ->  extend the drafter by the path (padded to the longest path)  ->  the next root, m + count
 
 Everything a step needs (the root, the target length m, the drafter's stable length) lives in buffers
@@ -31,14 +31,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from eaglekit.decode.engine import DecodeOptions, DecodeStats, grow_tree
+from eaglekit.decode.engine import DecodeOptions, DecodeStats, draft_size, grow_tree
 from eaglekit.decode.sampling import PreDrawn, logits_to_probs, sample
 from eaglekit.decode.verify import greedy_path, sampled_chain_path
 from eaglekit.errors import EaglekitError
 
 
 class _State(nn.Module):
-    """The loop-carried state of a greedy step (buffers at fixed addresses, updated in place)."""
+    """The loop-carried state of the steps (buffers at fixed addresses, updated in place)."""
 
     def __init__(self, hidden: int, draft_vocab: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -74,7 +74,7 @@ class FusedStep:
         net = drafter.net.drafter
         param = net.fc.weight
         self.state = _State(param.shape[0], net.config.draft_vocab_size, param.dtype, param.device)
-        self.nodes = 1 + (options.chain_length if options.method == "chain" else options.total_tokens)  # verify width
+        self.nodes = draft_size(options)  # verify width
         self.path = min(options.draft_depth, self.nodes - 1) + 1  # longest accepted path, bonus included
         self.capacity = min(target.capacity, drafter.capacity)
         self.options = fused_shape(options)
@@ -95,6 +95,7 @@ class FusedStep:
             k = nodes - 1
             return [(1, 1)] * k + [(k,), (1, 1)]
         return [(nodes, 1)]
+
     def _step(self, *draws: torch.Tensor, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
         """One step on the state -> (1 + path,): the path length c, then the step's new tokens (the c - 1
         accepted drafts and the bonus) padded to the longest path. `draws`: the step's uniforms (sampling)."""
