@@ -400,12 +400,16 @@ def repeated_ngram_fraction(ids: list[int], n: int = 4) -> float:
 
 
 @torch.no_grad()
-def greedy_samples(model: Any, tokenizer: Any, records: list[dict[str, Any]], new_tokens: int = 64) -> list[dict[str, Any]]:
+def continuations(model: Any, tokenizer: Any, records: list[dict[str, Any]], new_tokens: int = 64,
+                  temperature: float = 0.0, seed: int = 0) -> list[dict[str, Any]]:
+    """Continuations of the records' prompts: greedy (temperature 0), or sampled with a fixed seed."""
     samples = []
+    torch.manual_seed(seed)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     for record in records:
         prompt = tokenizer.apply_chat_template(record["messages"][:-1], add_generation_prompt=True, tokenize=False)
         ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **sampling)
         generated = output[0, ids.shape[1]:].tolist()
         samples.append({
             "id": record["id"], "prompt": record["messages"][-2]["content"],
@@ -428,7 +432,9 @@ def evaluate(directory: Path, config: BuildConfig, eval_records: list[dict[str, 
     # stream_loss reads only the first windows: tokenize just enough of the held-out documents for them
     heldout = token_stream(tokenizer, heldout_documents, limit=(HELDOUT_WINDOWS + 1) * config.seq_len + 1)
     heldout_loss, heldout_tokens = stream_loss(model, heldout, config.seq_len)
-    samples = greedy_samples(model, tokenizer, eval_records[:: max(1, len(eval_records) // 6)][:6])  # spread over files
+    spread = eval_records[:: max(1, len(eval_records) // 6)][:6]  # spread over files
+    samples = continuations(model, tokenizer, spread)
+    sampled = continuations(model, tokenizer, spread[:3], temperature=1.0, seed=config.seed)
     return {
         "eval_loss": round(eval_loss, 4),
         "eval_loss_definition": "mean next-token loss (nats) over the assistant tokens (answer + <|im_end|>) of tiny_prompts_eval.jsonl",
@@ -442,6 +448,8 @@ def evaluate(directory: Path, config: BuildConfig, eval_records: list[dict[str, 
         "repetition_rate_definition": "mean share of repeated 4-grams in 64-token greedy continuations of eval prompts",
         "eval_records": per_record,
         "samples": samples,
+        "sampled_samples": sampled,
+        "sampled_samples_definition": "64-token continuations at temperature 1 (no top-k/top-p), torch seed = the build seed",
     }
 
 
