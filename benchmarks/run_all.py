@@ -8,10 +8,12 @@
     # (benchmarks/peer_speculators.py lists them) go to a folder that only the peer's process sees:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     EAGLEKIT_PEER_SITE=/tmp/site python benchmarks/run_all.py --parts pipeline,peer,regen_speed,extract_speed \
-        --work runs/reference --out $OUT                                                           # ~3 + 3 + 2 min
+        --work runs/reference --out $OUT                                                           # ~3 + 3 + 1 + 2 min
     python benchmarks/run_all.py --parts bench,summary --work runs/reference --out $OUT            # ~7-8 min
-    # the remaining speed figures need no trained target (decode_speed, train_speed: ~5 min):
+    # the remaining speed figures need no trained target (~5 min; then ~5 min for the 8B-shaped figures,
+    # last measured in earlier sessions: results/2026-12-02-h200-{decode_speed,s4-extract_speed_*}.json):
     python benchmarks/run_all.py --parts decode_speed,train_speed,summary --work runs/reference --out $OUT
+    python benchmarks/run_all.py --parts decode_speed_8b,summary --work runs/reference --out $OUT
     # the same flow at toy sizes on a CPU, under a minute:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
@@ -33,10 +35,11 @@ Parts
             generation, HF prompt lookup, EAGLE-3 chain and tree; temperature 0 and 1, held-out prompts)
             and export.
 - speed:    benchmarks/decode_speed.py on the reference target's shape (plain vs chain vs tree step
-            cost, with a profiler table), benchmarks/train_speed.py (8B-shaped drafter: tokens/s, MFU,
-            peak memory), benchmarks/regen_speed.py (regen vs bare generate on the reference target) and
-            benchmarks/extract_speed.py (extract vs the bare forward on the reference target, shards in
-            RAM and on disk).
+            cost, with a profiler table) and on the 8B shape (plain decoding vs HF generate and the
+            memory-bandwidth bound, verify cost vs tokens), benchmarks/train_speed.py (8B-shaped drafter:
+            tokens/s, MFU, peak memory), benchmarks/regen_speed.py (regen vs bare generate on the
+            reference target) and benchmarks/extract_speed.py (extract vs the bare forward on the 8B
+            shape and the reference target, shards in RAM and on disk).
 - peer:     benchmarks/peer_speculators.py on the pipeline's run: a drafter trained by vLLM's speculators
             on the same shards, vocabulary, split, shape and steps, both evaluated and benched the same way.
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
@@ -150,14 +153,16 @@ def run_regen_speed(work: Path, out: Path, smoke: bool) -> None:
 
 
 def run_extract_speed(work: Path, out: Path, smoke: bool) -> None:
-    """extract vs the bare forward on the reference target's own shape, shards in RAM (/dev/shm: what the
-    pipeline sustains) and on the disk (what this machine's disk allows)."""
+    """extract vs the bare forward: the 8B-shaped random Llama (bf16 and float8, shards in RAM) and the
+    reference target (bf16, shards in RAM: what the pipeline sustains; on disk: what the disk allows)."""
     if smoke:
         _script("extract_speed.py", "--smoke", "--no-tiny", "--no-quant", "--out", str(out / "extract_speed_reference_ram.json"))
         return
+    ram = ["--shard-dir", "/dev/shm/eaglekit-extract"]
+    _script("extract_speed.py", "--steps", "24", "--repeats", "1", "--no-tiny", "--no-quant", *ram, "--out", str(out / "extract_speed_8b_ram.json"))
     shape = ["--target", str(work / "models" / "reference_target"), "--batch-size", "64", "--seq-len", "512", "--steps", "24",
-             "--repeats", "2", "--no-tiny", "--no-quant"]
-    _script("extract_speed.py", *shape, "--shard-dir", "/dev/shm/eaglekit-extract", "--out", str(out / "extract_speed_reference_ram.json"))
+             "--repeats", "2", "--dtypes", "bf16", "--no-tiny", "--no-quant"]
+    _script("extract_speed.py", *shape, *ram, "--out", str(out / "extract_speed_reference_ram.json"))
     _script("extract_speed.py", *shape, "--out", str(out / "extract_speed_reference_disk.json"))
 
 
@@ -173,10 +178,16 @@ def run_peer(work: Path, out: Path, smoke: bool) -> None:
             "--out", str(out / "peer_speculators.json"), env=env)
 
 
-def run_decode_speed(out: Path, smoke: bool) -> None:
-    """Step costs on the reference target's shape (random weights): plain vs chain vs tree, profiled."""
-    shape = ["--smoke"] if smoke else ["--shape", "reference"]
-    _script("decode_speed.py", *shape, "--output", str(out / "decode_speed_reference.json"), "--profile", str(out / "decode_profile.txt"))
+def run_decode_speed(out: Path, smoke: bool, shape: str = "reference") -> None:
+    """Random weights. reference: step costs on the reference target's shape (plain vs chain vs tree, profiled);
+    8b: plain decoding vs HF generate and the memory-bandwidth bound, verify cost vs tokens, the tree step."""
+    if smoke:
+        _script("decode_speed.py", "--smoke", "--output", str(out / f"decode_speed_{shape}.json"))
+    elif shape == "reference":
+        _script("decode_speed.py", "--shape", "reference", "--output", str(out / "decode_speed_reference.json"),
+                "--profile", str(out / "decode_profile.txt"))
+    else:
+        _script("decode_speed.py", "--shape", "8b", "--methods", "tree", "--output", str(out / "decode_speed_8b.json"))
 
 
 def _script(name: str, *args: str, env: dict[str, str] | None = None) -> None:
@@ -201,7 +212,8 @@ def summarise(work: Path, out: Path) -> dict:
         "train_speed": load(out / "train_speed.json"),
         "regen_speed": load(out / "regen_speed.json"),
         "decode_speed_reference": load(out / "decode_speed_reference.json"),
-        "extract_speed_reference": {name: load(out / f"extract_speed_reference_{name}.json") for name in ("ram", "disk")},
+        "decode_speed_8b": load(out / "decode_speed_8b.json"),
+        "extract_speed": {name: load(out / f"extract_speed_{name}.json") for name in ("8b_ram", "reference_ram", "reference_disk")},
         "peer_speculators": load(out / "peer_speculators.json"),
     }
     for key in ("reference_target", "draft_lm"):
@@ -217,7 +229,7 @@ def summarise(work: Path, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
-                        help="comma list of: target, pipeline, bench, peer, decode_speed, train_speed, regen_speed, extract_speed (speed = all four), summary")
+                        help="comma list of: target, pipeline, bench, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
@@ -227,7 +239,7 @@ def main() -> int:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    speed = ("decode_speed", "train_speed", "regen_speed", "extract_speed")
+    speed = ("decode_speed", "decode_speed_8b", "train_speed", "regen_speed", "extract_speed")
     parts = [q for p in args.parts.split(",") for q in (speed if p == "speed" else (p,))]
     steps = {
         "target": lambda: build_models(work, sizes),
@@ -235,6 +247,7 @@ def main() -> int:
         "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export")),
         "peer": lambda: run_peer(work, out, args.smoke),
         "decode_speed": lambda: run_decode_speed(out, args.smoke),
+        "decode_speed_8b": lambda: run_decode_speed(out, args.smoke, "8b"),
         "train_speed": lambda: run_train_speed(out, args.smoke, args.train_speed_budget),
         "regen_speed": lambda: run_regen_speed(work, out, args.smoke),
         "extract_speed": lambda: run_extract_speed(work, out, args.smoke),
