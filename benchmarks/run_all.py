@@ -197,6 +197,9 @@ def _script(name: str, *args: str, env: dict[str, str] | None = None) -> None:
 
 def summarise(work: Path, out: Path) -> dict:
     """Every figure of this run in one JSON (and a markdown table)."""
+    import torch  # noqa: F401 - environment() reports the versions and the GPU of modules already imported
+    import transformers  # noqa: F401
+
     from eaglekit.manifest import environment
 
     def load(path: Path) -> dict | None:
@@ -223,7 +226,54 @@ def summarise(work: Path, out: Path) -> dict:
     bench_md = run_dir / "bench" / "bench.md"
     if bench_md.is_file():
         (out / "bench.md").write_text(bench_md.read_text())
+    (out / "summary.md").write_text(summary_markdown(summary, bench_md.read_text() if bench_md.is_file() else ""))
     return summary
+
+
+def summary_markdown(summary: dict, bench_table: str) -> str:
+    """The headline figures of `summarise` as markdown (what is missing is left out, not invented)."""
+    env = summary["environment"]
+    lines = [f"# Reference benchmark: commit {env.get('commit')}, {env.get('gpu') or env.get('device') or 'no GPU'}, "
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}", ""]
+    target = summary.get("reference_target")
+    if target:
+        lines += [f"Reference target: {target.get('parameters', 0) / 1e6:.1f}M parameters, {target.get('train_seconds')} s of "
+                  f"training, held-out loss {target.get('heldout_loss')} nats (uniform {target.get('baseline_uniform')}), "
+                  f"greedy repetition rate {target.get('repetition_rate')}.", ""]
+    steps = (summary.get("run") or {}).get("steps") or []
+    if steps:
+        lines += ["| stage | seconds | peak GPU GB |", "|---|---|---|"]
+        lines += [f"| {s['stage']} | {s['seconds']} | {'-' if s.get('peak_gpu_gb') is None else s['peak_gpu_gb']} |" for s in steps] + [""]
+    if bench_table:
+        lines += ["## Bench", "", bench_table.strip(), ""]
+    speed = []
+    for name in ("decode_speed_reference", "decode_speed_8b"):
+        d = summary.get(name)
+        if d:
+            speed.append(f"- {name}: plain {d['eaglekit_plain_tokens_per_s']:.1f} tok/s ({d['fraction_of_bound']:.1%} of the bound), "
+                         f"plain step {d['plain_step_ms']:.2f} ms, speculative steps {d['speculative_step_ms_random_drafter']} ms")
+    for row in (summary.get("train_speed") or {}).get("results", []):
+        if "tokens_per_s" in row:
+            speed.append(f"- train_speed {row['kind']}/{row['mode']}/{row['attention']}: {row['tokens_per_s']:,.0f} tok/s, "
+                         f"MFU {row['mfu']:.1%}, peak {row['peak_memory_gb']} GB")
+    regen = summary.get("regen_speed")
+    if regen:
+        speed.append(f"- regen_speed: regen {regen['regen_tokens_per_second']} vs generate {regen['plain_generate_tokens_per_second']} tok/s")
+    for name, d in (summary.get("extract_speed") or {}).items():
+        for row in (d or {}).get("results", []):
+            speed.append(f"- extract_speed {name} {row['storage_dtype']}: {row['ratio']:.1%} of the bare forward "
+                         f"({row['ratio_before_final_flush']:.1%} before the final flush)")
+    peer = summary.get("peer_speculators")
+    if peer:
+        def taus(side: dict) -> str:
+            val = side.get("val") or {}
+            bench = " ".join(f"{r['method']} {r['tau']:.2f}" for r in (side.get("bench") or {}).get("rows", []) if "tau" in r)
+            return f"val tau {val.get('tau', '-')}, bench tau {bench or '-'}"
+        speed.append(f"- peer (speculators, {peer.get('status')}): eaglekit {taus(peer.get('eaglekit') or {})}; "
+                     f"peer {taus(peer.get('peer') or {})}")
+    if speed:
+        lines += ["## Speed and peers", "", *speed, ""]
+    return "\n".join(lines)
 
 
 def main() -> int:
