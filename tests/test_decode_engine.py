@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import shutil
 
 import pytest
 import torch
@@ -164,6 +165,24 @@ def always_right_pair():
         target.model.norm.weight.zero_()
         drafter.d2t.copy_(-torch.arange(drafter.d2t.numel()))  # offsets: draft id i -> target id 0
     return target, drafter
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_fused_step_lowers_through_inductor(monkeypatch):
+    """The fused step through inductor itself (CPU code generation here; on a GPU the same graph becomes
+    Triton kernels in a CUDA graph): every op lowers, and the tokens equal the eager reference."""
+    from eaglekit.decode import static
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(static, "COMPILE_OPTIONS", {"backend": "inductor", "fullgraph": True, "dynamic": False})
+    target = tiny_target("llama")
+    drafter = random_drafter(target)
+    decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
+    for options in (dict(method="tree", depth=3, tree_top_k=3, total_tokens=8),
+                    dict(method="chain", chain_length=3, temperature=1.0, seed=3)):  # greedy tree; p/q rule with drawn uniforms
+        fast = decoder.generate(PROMPT, NEW, **options)
+        eager = generate(target, drafter, PROMPT, NEW, backend="eager", **options)
+        assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted), options
 
 
 def test_fused_greedy_step_ahead_fits_the_tightest_cache():
