@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import shutil
 
 import pytest
@@ -183,6 +184,29 @@ def test_fused_step_lowers_through_inductor(monkeypatch):
         fast = decoder.generate(PROMPT, NEW, **options)
         eager = generate(target, drafter, PROMPT, NEW, backend="eager", **options)
         assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted), options
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_inductor_writes_the_kv_cache_in_place():
+    """The compiled target step allocates nothing as large as a KV cache: K/V are written into the cache
+    buffers in place (a write through a view of one all-layer buffer once made inductor copy all of it per layer)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from eaglekit.decode.static import StaticTarget
+
+    torch._dynamo.reset()
+    static = StaticTarget(tiny_target("llama"), 256, (1, 2, 3))
+    cache = static.net.caches(0)[0]  # (1, nkv, S, D)
+    step = torch.compile(static.net, backend="inductor", fullgraph=True, dynamic=False)
+    ids, positions = torch.tensor([3, 4]), torch.tensor([5, 6])
+    with torch.inference_mode():
+        _, code = run_and_get_code(step, ids, positions, positions, torch.ones(1, 1, 2, 256, dtype=torch.bool))
+    shapes = [tuple(int(x) for x in m.split(",") if x.strip()) for m in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", "".join(code))]
+    assert shapes, "no allocations found: the generated code's format changed"
+    assert max(math.prod(shape) for shape in shapes) < cache.numel(), shapes
+    assert cache[0, :, 5:7].abs().sum() > 0  # the step did write its keys into the cache itself
 
 
 def test_fused_greedy_step_ahead_fits_the_tightest_cache():

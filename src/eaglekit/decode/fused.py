@@ -99,7 +99,7 @@ class FusedStep:
     def _step(self, *draws: torch.Tensor, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
         """One step on the state -> (1 + path,): the path length c, then the step's new tokens (the c - 1
         accepted drafts and the bonus) padded to the longest path. `draws`: the step's uniforms (sampling)."""
-        from eaglekit.decode.static import _GraphSteps, _compact
+        from eaglekit.decode.static import _GraphSteps
 
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
@@ -120,7 +120,7 @@ class FusedStep:
             on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids)
             count = on_path.sum()  # () nodes on the accepted path, root included
         path = order[: self.path]  # (P,) the path, then nodes that fill the padding rows
-        _compact(target.net.kv_cache, 4, m, path)  # padding rows land past m + count, where the next verify writes
+        target.net.compact(m, path)  # padding rows land past m + count, where the next verify writes
         after = torch.cat([path[1:], path[:1]])  # (P,) the node after each path node (last row: a dummy)
         rows = torch.arange(self.path, device=m.device)
         new_tokens = torch.where(rows + 1 < count, tree.tokens[after], bonus)  # accepted drafts, then the bonus

@@ -70,13 +70,22 @@ class StaticLlama(nn.Module):
         cos, sin = _rotary_tables(_find_rotary(model), capacity, param.dtype, param.device)
         self.register_buffer("cos", cos, persistent=False)  # (capacity, D)
         self.register_buffer("sin", sin, persistent=False)
-        # one buffer for all layers' keys and values, so that compaction is two kernels, not 4 per layer
-        shape = (len(self.layers), 2, 1, self.num_kv_heads, capacity, self.head_dim)  # (L, k|v, 1, nkv, S, D)
-        self.register_buffer("kv_cache", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+        # a buffer per layer for keys and one for values, written in place with index_copy_: a write through a
+        # view of one all-layer buffer made inductor copy that whole buffer for every layer
+        shape = (1, self.num_kv_heads, capacity, self.head_dim)  # (1, nkv, S, D)
+        for i in range(len(self.layers)):
+            for kind in ("k", "v"):
+                self.register_buffer(f"{kind}_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
 
     def caches(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (1, nkv, S, D) of layer i's keys and values."""
-        return self.kv_cache[i, 0], self.kv_cache[i, 1]
+        """Layer i's key and value buffers, (1, nkv, S, D) each."""
+        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+
+    def compact(self, base: torch.Tensor | int, nodes: torch.Tensor) -> None:
+        """Keep only `nodes` (K,) of the entries written from slot `base` on, moved to base, base + 1, ..."""
+        for i in range(len(self.layers)):
+            for cache in self.caches(i):
+                _compact(cache, 2, base, nodes)
 
     def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask) -> torch.Tensor:
         attn = layer.self_attn
@@ -181,7 +190,7 @@ class StaticTarget:
 
     def keep(self, nodes: torch.Tensor) -> None:
         base = self.length - self.last_length
-        _compact(self.net.kv_cache, 4, base, nodes)
+        self.net.compact(base, nodes)
         self.length = base + nodes.shape[0]
         self.last_length = nodes.shape[0]
 
