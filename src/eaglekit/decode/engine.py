@@ -13,11 +13,10 @@ One speculative step:
 Positions: the root sits at position m (the number of tokens the target has cached); a node at depth
 d at m + d. The drafter step for position t reads (feature of t, token t+1), so a depth-d node is fed
 at drafter position m + d - 1 with its parent's output hidden state.
-The loop is shared by the eager reference backends (`backends.py`) and the static fast path
-(`static.py`) when sampling; with greedy verification a step has exactly one host synchronisation (the
-accepted path, which the variable-length output and the EOS check need) and no host-to-device copies.
-On the static fast path every speculative step runs the five pieces as one step function instead, a
-step ahead of the host (`fused.py`).
+The loop below runs the eager reference backends (`backends.py`): a step has exactly one host
+synchronisation (the accepted path, which the variable-length output and the EOS check need) and no
+host-to-device copies. On the static fast path (`static.py`) every speculative step runs the same
+pieces as one step function instead, a step ahead of the host (`fused.py`).
 """
 
 from __future__ import annotations

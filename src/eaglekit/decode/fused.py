@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from eaglekit.decode.engine import DecodeOptions, DecodeStats, draft_size, grow_tree
-from eaglekit.decode.sampling import PreDrawn, logits_to_probs, sample
+from eaglekit.decode.sampling import PreDrawn, logits_to_probs, rand, sample
 from eaglekit.decode.verify import greedy_path, sampled_chain_path
 from eaglekit.errors import EaglekitError
 
@@ -166,7 +166,7 @@ class FusedStep:
 
     def _launch(self, slot: int, generator: torch.Generator | None):
         device = self.state.token.device
-        draws = [torch.rand(shape, generator=generator, device=device) for shape in self._draw_shapes]
+        draws = [rand(shape, generator, device) for shape in self._draw_shapes]  # as the reference loop draws them
         if self.target.compile:
             torch.compiler.cudagraph_mark_step_begin()
         emitted = self.step(*draws)

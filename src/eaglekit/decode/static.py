@@ -253,7 +253,6 @@ class StaticDrafter:
         self.device = self.net.cos.device
         self.capacity, self.total = capacity, capacity + draft_slots
         self.stable_length = 0
-        self.compile = compile
         self._columns = torch.arange(self.total, device=self.device)  # (capacity + draft_slots,)
         self._fused: dict = {}  # one-function steps (fused.py), by target and options shape
         if compile:
