@@ -64,6 +64,7 @@ def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
     assert all(r["tokens_per_second"] > 0 for r in saved["rows"])
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "manifest.json").is_file() and "| tree | 0 |" in (out / "bench.md").read_text()
+    assert saved["complete"] is True
 
 
 def test_bench_checks_methods():
@@ -98,3 +99,27 @@ def test_bench_keeps_other_methods_when_one_fails(chat_target, tmp_path, monkeyp
     assert rows[0]["tokens_per_second"] > 0 and rows[2]["tokens_per_second"] > 0 and "error" in rows[1]
     assert "failed: RuntimeError" in (out / "bench.md").read_text()
     assert not (out / "manifest.json").exists()  # not finished: `eaglekit run` measures it again
+
+
+def test_interrupted_bench_keeps_the_rows_measured_so_far(chat_target, tmp_path, monkeypatch):
+    """Ctrl-C during a method: bench.json already holds the methods measured before it (marked incomplete)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    real = bench._Runner.__call__
+
+    def interrupted(self, method, ids, temperature):
+        if method == "hf":
+            raise KeyboardInterrupt
+        return real(self, method, ids, temperature)
+
+    monkeypatch.setattr(bench._Runner, "__call__", interrupted)
+    out = tmp_path / "bench"
+    config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"output={out}",
+                                                  "methods=plain,hf", "temperatures=0.0", "max_new_tokens=4",
+                                                  "repeats=1", "warmup=0", "device=cpu"])
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(config)
+    saved = json.loads((out / "bench.json").read_text())
+    assert [r["method"] for r in saved["rows"]] == ["plain"] and saved["complete"] is False
+    assert saved["rows"][0]["tokens_per_second"] > 0
+    assert not (out / "manifest.json").exists()
