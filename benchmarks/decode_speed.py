@@ -80,7 +80,8 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
 
 
 def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: int, compile_: bool, repeats: int,
-                          profile: dict[str, str] | None = None, methods: tuple[str, ...] = ("chain", "tree")) -> dict:
+                          profile: dict[str, str] | None = None, methods: tuple[str, ...] = ("chain", "tree"),
+                          trace_dir: str = "") -> dict:
     """Milliseconds per speculative step (draft + verify + bookkeeping) with a random drafter of the
     target's width: what a step costs relative to a plain step, i.e. the tau a drafter must beat."""
     from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
@@ -103,10 +104,7 @@ def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: i
         steps = [run().stats for _ in range(repeats)]
         out[method] = statistics.median(1000 * s.decode_seconds / max(len(s.accepted), 1) for s in steps)
         if profile is not None:
-            trace = profile.pop("_trace_dir", "")
-            profile[method] = _profile_table(run, f"{trace}/trace_{method}.json" if trace else "")
-            if trace:
-                profile["_trace_dir"] = trace
+            profile[method] = _profile_table(run, f"{trace_dir}/trace_{method}.json" if trace_dir else "")
     return out
 
 
@@ -168,12 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     tables: dict[str, str] | None = None
     if args.profile:
         tables = {"plain": _profile_table(lambda: decoder.generate(prompt, new_tokens, method="plain"))}
-        if args.trace_dir:
-            tables["_trace_dir"] = args.trace_dir
     speculative = speculative_step_cost(model, device, dtype, prompt, new_tokens, compile_, args.repeats, tables,
-                                        tuple(m for m in args.methods.split(",") if m))
+                                        tuple(m for m in args.methods.split(",") if m), args.trace_dir)
     if args.profile:
-        tables.pop("_trace_dir", None)
         Path(args.profile).write_text("".join(f"## {method}\n{table}\n" for method, table in tables.items()))
 
     verify = {}

@@ -77,21 +77,28 @@ def test_bench_checks_methods():
         bench.run(load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", "methods=tree"]))
 
 
-def test_bench_keeps_other_methods_when_one_fails(chat_target, tmp_path, monkeypatch):
+def one_prompt_bench(chat_target, tmp_path, monkeypatch, methods: str, failing: str, error: BaseException):
+    """A one-prompt CPU bench of `methods` whose `failing` method raises `error` -> (config, output folder)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
     real = bench._Runner.__call__
 
     def broken(self, method, ids, temperature):
-        if method == "hf_prompt_lookup":
-            raise RuntimeError("lookup exploded")
+        if method == failing:
+            raise error
         return real(self, method, ids, temperature)
 
     monkeypatch.setattr(bench._Runner, "__call__", broken)
     out = tmp_path / "bench"
     config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"output={out}",
-                                                  "methods=plain,hf_prompt_lookup,hf", "temperatures=0.0", "max_new_tokens=4",
+                                                  f"methods={methods}", "temperatures=0.0", "max_new_tokens=4",
                                                   "repeats=1", "warmup=0", "device=cpu"])
+    return config, out
+
+
+def test_bench_keeps_other_methods_when_one_fails(chat_target, tmp_path, monkeypatch):
+    config, out = one_prompt_bench(chat_target, tmp_path, monkeypatch, "plain,hf_prompt_lookup,hf", "hf_prompt_lookup",
+                                   RuntimeError("lookup exploded"))
     with pytest.raises(EaglekitError, match=r"1 method\(s\) failed.*hf_prompt_lookup T=0 \(RuntimeError: lookup exploded\)"):
         bench.run(config)
     rows = json.loads((out / "bench.json").read_text())["rows"]
@@ -103,20 +110,7 @@ def test_bench_keeps_other_methods_when_one_fails(chat_target, tmp_path, monkeyp
 
 def test_interrupted_bench_keeps_the_rows_measured_so_far(chat_target, tmp_path, monkeypatch):
     """Ctrl-C during a method: bench.json already holds the methods measured before it (marked incomplete)."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
-    real = bench._Runner.__call__
-
-    def interrupted(self, method, ids, temperature):
-        if method == "hf":
-            raise KeyboardInterrupt
-        return real(self, method, ids, temperature)
-
-    monkeypatch.setattr(bench._Runner, "__call__", interrupted)
-    out = tmp_path / "bench"
-    config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"output={out}",
-                                                  "methods=plain,hf", "temperatures=0.0", "max_new_tokens=4",
-                                                  "repeats=1", "warmup=0", "device=cpu"])
+    config, out = one_prompt_bench(chat_target, tmp_path, monkeypatch, "plain,hf", "hf", KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         bench.run(config)
     saved = json.loads((out / "bench.json").read_text())
