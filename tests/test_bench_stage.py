@@ -62,6 +62,13 @@ def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
     tree = next(r for r in saved["rows"] if r["method"] == "tree" and r["temperature"] == 0.0)
     assert tree["tau"] >= 1.0 and len(tree["acceptance_per_position"]) == 3
     assert all(r["tokens_per_second"] > 0 for r in saved["rows"])
+    for row in saved["rows"]:  # eaglekit's rows split their time: prefills, and target forwards per new token
+        if row["method"].startswith("hf"):
+            assert "prefill_seconds" not in row
+        else:
+            assert 0 < row["prefill_seconds"] < row["seconds"] and row["target_forwards"] >= 2  # 2 prompts, each a prefill
+            if row["method"] == "tree":
+                assert row["target_forwards"] <= row["new_tokens"] + 2
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "manifest.json").is_file() and "| tree | 0 |" in (out / "bench.md").read_text()
     assert saved["complete"] is True

@@ -74,7 +74,7 @@ def _sync(device) -> None:
 
 
 class _Runner:
-    """Runs one method on one prompt -> (new tokens, seconds, accepted-per-step or None)."""
+    """Runs one method on one prompt -> (new tokens, seconds, the decoder's `DecodeStats` or None for HF)."""
 
     def __init__(self, config: Config, target, drafter, assistant, tokenizer, eos, backend, device, max_prompt: int):
         self.config, self.target, self.drafter, self.assistant = config, target, drafter, assistant
@@ -84,7 +84,7 @@ class _Runner:
         longest = max_prompt + config.max_new_tokens + max(config.total_tokens, config.chain_length) + 2
         self.decoder = Decoder(target, drafter, backend, config.compile and device.type == "cuda", max_length=longest)
 
-    def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, list[int] | None]:
+    def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, Any]:
         import torch
 
         _sync(self.device)
@@ -106,7 +106,7 @@ class _Runner:
         result = self.decoder.generate(ids, c.max_new_tokens, method=method, temperature=temperature, depth=c.depth, tree_top_k=c.tree_top_k,
                           total_tokens=c.total_tokens, chain_length=c.chain_length, eos_token_ids=self.eos, seed=c.seed)
         _sync(self.device)
-        return len(result.tokens), time.perf_counter() - start, (result.stats.accepted if method != "plain" else None)
+        return len(result.tokens), time.perf_counter() - start, result.stats
 
 
 def _measure(runner: _Runner, method: str, temperature: float, prompts: list[list[int]], config: Config) -> dict[str, Any]:
@@ -114,17 +114,22 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
 
     for ids in prompts[: config.warmup]:
         runner(method, ids, temperature)
-    tokens, seconds, accepted = 0, 0.0, []
+    tokens, seconds, accepted, prefill, forwards = 0, 0.0, [], 0.0, 0
     for ids in tqdm(prompts, desc=f"{method} T={temperature}", leave=False):
         runs = [runner(method, ids, temperature) for _ in range(config.repeats)]
         tokens += runs[0][0]
         seconds += statistics.median(r[1] for r in runs)
-        if runs[0][2] is not None:
-            accepted.extend(runs[0][2])
+        stats = runs[0][2]
+        if stats is not None:
+            accepted.extend(stats.accepted)
+            prefill += statistics.median(r[2].prefill_seconds for r in runs)
+            forwards += stats.target_forwards
     depth = config.chain_length if method == "chain" else config.depth
     row: dict[str, Any] = {"method": method, "temperature": temperature, "new_tokens": tokens, "seconds": seconds,
                            "tokens_per_second": tokens / seconds if seconds else None,
                            "ms_per_token": 1000 * seconds / tokens if tokens else None}
+    if not method.startswith("hf"):  # where the time goes: prompts' prefills, and target forwards per new token
+        row.update(prefill_seconds=prefill, target_forwards=forwards)
     if method in ("chain", "tree"):
         steps = max(len(accepted), 1)
         row["tau"] = sum(a + 1 for a in accepted) / steps
