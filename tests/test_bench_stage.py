@@ -124,3 +124,19 @@ def test_interrupted_bench_keeps_the_rows_measured_so_far(chat_target, tmp_path,
     assert [r["method"] for r in saved["rows"]] == ["plain"] and saved["complete"] is False
     assert saved["rows"][0]["tokens_per_second"] > 0
     assert not (out / "manifest.json").exists()
+
+
+def test_warm_up_covers_every_prompt_for_eaglekits_methods():
+    calls = []
+
+    def runner(method, ids, temperature):
+        calls.append(method)
+        return 1, 0.5, None
+
+    prompts = [[1], [2], [3]]
+    for warmup, expected in ((1, {"plain": 6, "tree": 6, "hf": 4}), (0, {"plain": 3, "tree": 3, "hf": 3})):
+        config = load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", f"warmup={warmup}", "repeats=1"])
+        for method, count in expected.items():
+            calls.clear()
+            bench._measure(runner, method, 0.0, prompts, config)
+            assert len(calls) == count, (method, warmup)
