@@ -14,14 +14,19 @@
     # last measured in earlier sessions: results/2026-12-02-h200-{decode_speed,s4-extract_speed_*}.json):
     python benchmarks/run_all.py --parts decode_speed,train_speed,summary --work runs/reference --out $OUT
     python benchmarks/run_all.py --parts decode_speed_8b,summary --work runs/reference --out $OUT
+    # or, as in the fifth session: one chain started in the background (`setsid nohup bash chain.sh &`, where
+    # chain.sh runs the commands above one after another), so it runs on between device commands, and each
+    # command only waits on its log (`grep -q "CHAIN DONE"`) and returns the results packed in one tar file
+    # (at most 8 files come back from $OUT)
     # the same flow at toy sizes on a CPU, under a minute:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
-Measured on H200s on 2026-12-02: target 553 s (of which 2 x 88 s tokenizing the corpus; the tokenized
-stream is now cached for the draft LM and the held-out loss tokenizes only the windows it reads), pipeline
-180 s, bench with every method ~6.5 min on 10 prompts (HF generate, assisted and prompt lookup take ~30-40 s
-per method and temperature; 8 prompts now), train_speed's four cases 103 s, decode_speed 163 s,
-extract_speed on the 8B shape 31 s, regen_speed on a 1B shape 73 s.
+Measured on H200s on 2026-12-02 (fifth session, all from one background chain): target 400 s (reference
+target and draft LM, tokenising included), pipeline 118 s, bench with every method at T=0 and T=1 on 8
+prompts 318 s, extract_speed on the reference target ~1 min (RAM and disk); earlier: train_speed's four
+cases 103 s, decode_speed 163 s, extract_speed on the 8B shape 31 s, regen_speed on a 1B shape 73 s. The
+peer part (speculators' training of the same steps, then two benches) has not fitted in a session yet:
+give it a session of its own after target and pipeline (~9 min), or start it first.
 
 Parts
 - target:   trains the reference target (Llama, own BPE tokenizer, ChatML template) from scratch on the
