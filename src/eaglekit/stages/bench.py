@@ -18,10 +18,13 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
+
+if TYPE_CHECKING:
+    from eaglekit.decode import DecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class _Runner:
         longest = max_prompt + config.max_new_tokens + max(config.total_tokens, config.chain_length) + 2
         self.decoder = Decoder(target, drafter, backend, config.compile and device.type == "cuda", max_length=longest)
 
-    def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, Any]:
+    def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, "DecodeStats | None"]:
         import torch
 
         _sync(self.device)
