@@ -171,7 +171,11 @@ def always_right_pair():
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU backend needs a C++ compiler")
 def test_fused_step_lowers_through_inductor(monkeypatch):
     """The fused step through inductor itself (CPU code generation here; on a GPU the same graph becomes
-    Triton kernels in a CUDA graph): every op lowers, and the tokens equal the eager reference."""
+    Triton kernels in a CUDA graph): every op lowers, the tokens equal the eager reference, and the KV
+    writes, the compaction of the accepted path and the drafter's cache writes stay in place (no
+    allocation as large as a cache)."""
+    from torch._inductor.utils import run_and_get_code
+
     from eaglekit.decode import static
 
     torch._dynamo.reset()
@@ -181,17 +185,25 @@ def test_fused_step_lowers_through_inductor(monkeypatch):
     decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
     for options in (dict(method="tree", depth=3, tree_top_k=3, total_tokens=8),
                     dict(method="chain", chain_length=3, temperature=1.0, seed=3)):  # greedy tree; p/q rule with drawn uniforms
-        fast = decoder.generate(PROMPT, NEW, **options)
+        fast, code = run_and_get_code(lambda: decoder.generate(PROMPT, NEW, **options))
         eager = generate(target, drafter, PROMPT, NEW, backend="eager", **options)
         assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted), options
+        cache = next(iter(decoder._targets.values())).net.caches(0)[0]
+        shapes = _allocations("".join(code))
+        assert shapes and max(math.prod(shape) for shape in shapes) < cache.numel(), (options, shapes)
+
+
+def _allocations(code: str) -> list[tuple[int, ...]]:
+    """Shapes of the buffers inductor's generated CPU code allocates."""
+    import re
+
+    return [tuple(int(x) for x in m.split(",") if x.strip()) for m in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code)]
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU backend needs a C++ compiler")
 def test_inductor_writes_the_kv_cache_in_place():
     """The compiled target step allocates nothing as large as a KV cache: K/V are written into the cache
     buffers in place (a write through a view of one all-layer buffer once made inductor copy all of it per layer)."""
-    import re
-
     from torch._inductor.utils import run_and_get_code
 
     from eaglekit.decode.static import StaticTarget
@@ -203,7 +215,7 @@ def test_inductor_writes_the_kv_cache_in_place():
     ids, positions = torch.tensor([3, 4]), torch.tensor([5, 6])
     with torch.inference_mode():
         _, code = run_and_get_code(step, ids, positions, positions, torch.ones(1, 1, 2, 256, dtype=torch.bool))
-    shapes = [tuple(int(x) for x in m.split(",") if x.strip()) for m in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", "".join(code))]
+    shapes = _allocations("".join(code))
     assert shapes, "no allocations found: the generated code's format changed"
     assert max(math.prod(shape) for shape in shapes) < cache.numel(), shapes
     assert cache[0, :, 5:7].abs().sum() > 0  # the step did write its keys into the cache itself
