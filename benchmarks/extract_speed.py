@@ -7,7 +7,8 @@
 "bare" is `forward_target` (the call extract makes: no KV cache, logits for the last position only)
 on device-resident ids. "extract" is the real extract loop (`eaglekit.stages.extract.extract_batches`:
 padding/index build, hooks, hook-count and shape checks, padding strip, dtype conversion or float8
-quantisation, async copy into pinned shard buffers, background sha256 + atomic shard writes) timed
+quantisation, async copy on a copy stream into pinned shard buffers, background sha256 + atomic shard
+writes on extract's default writer threads, buffers and shard size unless given) timed
 until the writer has flushed every shard to disk (fsync included; `ratio_before_final_flush` stops the
 clock when the last batch is handed over, i.e. without the tail write a long run amortises). Both see the same (B, T) batches
 of random ids; repeats alternate bare/extract; figures are medians after a warm-up. The 8B model is
@@ -118,7 +119,7 @@ def time_extract(model, ids: list[torch.Tensor], dtype: str, shard_dir: Path, ar
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "loop_seconds": loop_seconds, "tokens": tokens, "bytes": sum(e["bytes"] for e in entries),
-            "writer_wait_s": writer.wait_seconds, "shards": len(entries)}
+            "writer_wait_s": writer.wait_seconds, "shards": len(entries), "shard_tokens": capacity, "host_buffer_bytes": writer.host_bytes}
 
 
 def disk_write_speed(shard_dir: str | None, megabytes: int) -> float:
@@ -160,6 +161,7 @@ def bench_target(name: str, model: torch.nn.Module, device: torch.device, args) 
             "bare_all": [round(x, 1) for x in bare],
             "extract_all": [round(tokens / e["seconds"], 1) for e in extract],
             "writer_wait_s": [round(e["writer_wait_s"], 3) for e in extract], "shards_per_repeat": extract[0]["shards"],
+            "shard_tokens": extract[0]["shard_tokens"], "host_buffer_GB": round(extract[0]["host_buffer_bytes"] / 1e9, 3),
             "bytes_per_token": round(bytes_per_token, 1),
             "storage_10k_x_2k_tokens_GB": round(bytes_per_token * 10_000 * 2_048 / 1e9, 1),
         })
@@ -226,6 +228,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from eaglekit.stages.extract import Config
+    from eaglekit.target.shard_writer import writer_parallelism
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -235,9 +240,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="batches per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="bf16,float8_e4m3fn", help="storage dtypes to measure")
-    parser.add_argument("--shard-mb", type=float, default=512.0)
-    parser.add_argument("--buffers", type=int, default=3)
-    parser.add_argument("--writer-threads", type=int, default=2)
+    parser.add_argument("--shard-mb", type=float, default=Config.shard_mb, help="default: extract's shard_mb")
+    parser.add_argument("--buffers", type=int, default=Config.buffers, help="0 = auto, as extract's buffers")
+    parser.add_argument("--writer-threads", type=int, default=Config.writer_threads, help="0 = auto, as extract's writer_threads")
     parser.add_argument("--no-fsync", action="store_true", help="measure without fsync per shard (extract fsync=false)")
     parser.add_argument("--shard-dir", default=None, help="where shards are written (default: the system temp dir)")
     parser.add_argument("--no-tiny", action="store_true", help="skip the built-in tiny target")
@@ -247,11 +252,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.shape, args.batch_size, args.seq_len, args.steps, args.repeats, args.shard_mb = "smoke", 2, 64, 3, 2, 0.05
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.writer_threads, args.buffers = writer_parallelism(args.writer_threads, args.buffers)  # recorded resolved
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     from eaglekit.manifest import environment
+    from eaglekit.target.shard_writer import cores_per_process
 
     args = parse_args(argv)
     if args.shard_dir:
@@ -276,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     quant = None if args.no_quant else storage_error(device, 16 if args.smoke else 200, args.shard_dir)
     disk = disk_write_speed(args.shard_dir, 64 if args.smoke else 2048)
     result = {"benchmark": "extract_speed", "disk_write_GB_per_s": round(disk, 3), "storage_error_vs_fp32": quant, "goal": f"extract >= {GOAL:.0%} of bare forward tokens/s",
-              "config": {k: v for k, v in vars(args).items()}, "device": str(device), "environment": environment(),
+              "config": {k: v for k, v in vars(args).items()}, "cpu_cores_per_process": cores_per_process(),
+              "device": str(device), "environment": environment(),
               "tiny_target": "measured" if tiny is not None else "absent from this checkout (src/eaglekit/assets/tiny_target)",
               "results": rows, "goal_met": all(r["ratio"] >= GOAL for r in rows) if device.type == "cuda" else None}
     out = Path(args.out or Path(__file__).parent / "results" / f"extract_speed{'_smoke' if args.smoke else ''}.json")

@@ -1,5 +1,6 @@
 """`eaglekit extract` end to end on a tiny random Llama: stored states equal an unpadded forward,
-shards/manifest/reader, float8 storage, resume after a failed write, and every bad input."""
+shards/manifest/reader, float8 storage, resume after a failed write, the writer's parallelism (auto
+defaults; several threads write the same store as one), and every bad input."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import errno
 import json
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -143,6 +145,56 @@ def test_disk_full_keeps_earlier_shards_and_resume_completes(target_dir, data_fi
     fresh_by_id = {fresh[i]["id"]: fresh[i] for i in range(len(fresh))}
     for i in range(len(resumed)):
         assert torch.equal(resumed[i]["aux"], fresh_by_id[resumed[i]["id"]]["aux"])
+
+
+def test_writer_parallelism_auto_and_explicit(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    threads, buffers = shard_writer.writer_parallelism()  # this machine's auto values
+    assert threads >= 2 and buffers > threads
+    for cores, expected in ((1, (2, 4)), (6, (3, 5)), (16, (8, 10)), (128, (8, 10))):  # half the cores, 2..8; + 2
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert shard_writer.writer_parallelism() == expected
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")  # torchrun ranks share the machine's 128 cores
+    assert shard_writer.writer_parallelism() == (2, 4)
+    assert shard_writer.writer_parallelism(3, 7) == (3, 7) and shard_writer.writer_parallelism(5, 0) == (5, 7)
+    assert shard_writer.writer_parallelism(0, 1) == (1, 1)  # no more threads than buffers to write
+    with pytest.raises(EaglekitError, match="writer_threads=-1.*0 = automatic"):
+        shard_writer.writer_parallelism(-1, 0)
+
+
+def test_large_blocks_are_hashed_while_written(tmp_path):
+    from safetensors import safe_open
+
+    tensors = {"ids": torch.arange(5, dtype=torch.int32), "aux": torch.randn(4096, 384)}  # aux: 6 MiB, hashed on the helper
+    assert tensors["aux"].nbytes > shard_writer._OVERLAP_BYTES
+    size, digest = shard_writer.write_bytes_atomically(tmp_path, "s.safetensors", tensors, {"format": "eaglekit"})
+    assert size == (tmp_path / "s.safetensors").stat().st_size and digest == file_sha256(tmp_path / "s.safetensors")
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as handle:
+        assert all(torch.equal(handle.get_tensor(name), tensor) for name, tensor in tensors.items())
+
+
+def test_several_writer_threads_write_the_store_of_one(target_dir, data_file, tmp_path, monkeypatch):
+    serial = HiddenStateDataset(run_extract(target_dir, data_file, tmp_path / "one", writer_threads=1, buffers=1).output)
+    real, second_started = shard_writer.write_safetensors, threading.Event()
+    waited = []
+
+    def overlapping(handle, tensors, metadata):  # shard 0 is written only once shard 1's write has begun
+        if "shard-r00-00001" in handle.handle.name:
+            second_started.set()
+        if "shard-r00-00000" in handle.handle.name:
+            waited.append(second_started.wait(timeout=60))
+        return real(handle, tensors, metadata)
+
+    monkeypatch.setattr(shard_writer, "write_safetensors", overlapping)
+    result = run_extract(target_dir, data_file, tmp_path / "four", writer_threads=4, buffers=6)
+    parallel = HiddenStateDataset(result.output)
+    assert waited == [True] and result.stats["writer_threads"] == 4 and result.stats["buffers"] == 6
+    assert serial.manifest["stats"]["writer_threads"] == 1 and len(serial.manifest["shards"]) > 2
+    assert parallel.manifest["shards"] == serial.manifest["shards"]  # same files, records, order and sha256
+    assert all(file_sha256(result.output / e["file"]) == e["sha256"] for e in parallel.manifest["shards"])
+    assert parallel.ids == serial.ids
+    for i in range(len(parallel)):
+        assert torch.equal(parallel[i]["aux"], serial[i]["aux"]) and torch.equal(parallel[i]["final"], serial[i]["final"])
 
 
 def test_resume_refuses_another_config_and_overwrite_replaces(target_dir, data_file, tmp_path):

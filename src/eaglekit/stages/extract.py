@@ -7,7 +7,8 @@
 Per record the store holds token ids, loss mask, the states entering decoder layers `aux_layer_ids`
 (input_of_layer convention, default 2, L//2, L-3) and the final-norm output (what the lm_head reads).
 Batches are length-sorted and right-padded; padding is stripped before storing. Shards are bounded,
-written atomically by a background thread, and logged; a re-run resumes after the last complete shard.
+written atomically by background threads (as many as the cores allow, see `writer_parallelism`), and
+logged; a re-run resumes after the last complete shard.
 See docs/extract.md for the layout (`eaglekit.target.store`) and `HiddenStateDataset` for reading it.
 """
 
@@ -56,9 +57,11 @@ class Config:
     device_map: str = option("", "'auto' spreads one large target over all visible GPUs (not with torchrun)")
     batch_tokens: int = option(16384, "padded tokens per forward (batch size x longest record)")
     max_batch_size: int = option(64, "most records per forward")
-    shard_mb: float = option(1024.0, "approximate size of one shard file in MiB")
-    buffers: int = option(3, "host shard buffers in the writer ring (memory = buffers x shard_mb)")
-    writer_threads: int = option(2, "threads hashing and writing shards in parallel")
+    shard_mb: float = option(256.0, "approximate size of one shard file and host buffer in MiB (at least one batch)")
+    buffers: int = option(0, "pinned host shard buffers in the writer ring (0 = auto: writer_threads + 2); "
+                             "host memory = buffers x shard_mb")
+    writer_threads: int = option(0, "threads hashing and writing shards in parallel (0 = auto: half the CPU cores "
+                                    "per process, 2..8)")
     fsync: bool = option(True, "fsync each shard before logging it (off: faster on slow disks; a power loss may cost the last shards)")
     chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
     decoder_path: str = option("", "dotted path of the decoder layer list, when the search picks the wrong one")
@@ -307,18 +310,36 @@ def _verify_first(model: torch.nn.Module, capture: HiddenStateCapture, batches: 
     return verify_capture(model, capture, probe.to(_input_device(model))).to_dict()
 
 
+def _open_writer(config: Config, out: Path, layout: StoreLayout, rank: int, parallelism: tuple[int, int], pin: bool,
+                 stats: dict[str, Any]) -> ShardWriter:
+    """This rank's background shard writer (after its logged shards); records its size in `stats`."""
+    from eaglekit.target.shard_writer import ShardWriter
+    from eaglekit.target.store import read_shard_log
+
+    threads, buffers = parallelism
+    capacity = max(int(config.shard_mb * 2**20) // layout.bytes_per_token, config.batch_tokens)  # tokens: at least one batch
+    start = max((e["index"] + 1 for e in read_shard_log(out, rank)), default=0)
+    writer = ShardWriter(out, layout, capacity, rank=rank, start_index=start, num_buffers=buffers, pin_memory=pin,
+                         metadata={"target": config.target, "dtype": config.dtype}, num_threads=threads, fsync=config.fsync)
+    stats.update(writer_threads=threads, buffers=buffers, shard_tokens=capacity, host_buffer_GB=round(writer.host_bytes / 1e9, 3))
+    log.info("rank %d: %d writer threads, %d shard buffers of %d tokens (%.2f GB of %s host memory)", rank, threads, buffers,
+             capacity, writer.host_bytes / 1e9, "pinned" if pin else "pageable")
+    return writer
+
+
 def run(config: Config) -> ExtractResult:
     from eaglekit.runtime import resolve_dtype
     from eaglekit.target.capture import HiddenStateCapture, find_decoder, text_config
     from eaglekit.target.loading import load_target, load_target_config, load_tokenizer
-    from eaglekit.target.shard_writer import ShardWriter
-    from eaglekit.target.store import read_shard_log, split_for_rank
+    from eaglekit.target.shard_writer import writer_parallelism
+    from eaglekit.target.store import split_for_rank
 
     if not config.output:
         raise EaglekitError("no output directory: pass output=DIR")
     if not config.data:
         raise EaglekitError("no data: pass conversation files, e.g. eaglekit extract data.jsonl output=DIR target=...")
     rank, world = distributed()
+    parallelism = writer_parallelism(config.writer_threads, config.buffers)  # (threads, buffers); fails fast on bad values
     out = Path(config.output)
     target_config = load_target_config(config.target, config.trust_remote_code)  # fails fast: bad path, remote code
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
@@ -341,11 +362,7 @@ def run(config: Config) -> ExtractResult:
         (out / "manifest.json").unlink(missing_ok=True)
     batches = split_for_rank(make_batches(todo, config.batch_tokens, config.max_batch_size), rank, world)
     log.info("rank %d/%d: %d records stored already, %d batches to extract", rank, world, len(done), len(batches))
-    capacity = max(int(config.shard_mb * 2**20) // layout.bytes_per_token, config.batch_tokens)
-    start = max((e["index"] + 1 for e in read_shard_log(out, rank)), default=0)
-    writer = ShardWriter(out, layout, capacity, rank=rank, start_index=start, num_buffers=config.buffers,
-                         pin_memory=_input_device(model).type == "cuda",
-                         metadata={"target": config.target, "dtype": config.dtype}, num_threads=config.writer_threads, fsync=config.fsync)
+    writer = _open_writer(config, out, layout, rank, parallelism, _input_device(model).type == "cuda", stats)
     begin = time.perf_counter()
     try:
         with HiddenStateCapture(model, aux_ids, decoder_path=stack.path) as capture:
