@@ -79,11 +79,8 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
     return 2 * src.numel() / seconds
 
 
-def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: int, compile_: bool, repeats: int,
-                          profile: dict[str, str] | None = None, methods: tuple[str, ...] = ("chain", "tree"),
-                          trace_dir: str = "") -> dict:
-    """Milliseconds per speculative step (draft + verify + bookkeeping) with a random drafter of the
-    target's width: what a step costs relative to a plain step, i.e. the tau a drafter must beat."""
+def random_drafter(model, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight EAGLE-3 drafter of the target's width (what a step costs does not depend on its weights)."""
     from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
     from eaglekit.target.capture import default_aux_layers
 
@@ -94,6 +91,15 @@ def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: i
                            aux_layer_ids=default_aux_layers(c.num_hidden_layers), rope_parameters=dict(c.rope_parameters))
     drafter = Eagle3Drafter(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
     drafter.set_vocab_mapping(torch.arange(config.draft_vocab_size))
+    return drafter
+
+
+def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: int, compile_: bool, repeats: int,
+                          profile: dict[str, str] | None = None, methods: tuple[str, ...] = ("chain", "tree"),
+                          trace_dir: str = "") -> dict:
+    """Milliseconds per speculative step (draft + verify + bookkeeping) with a random drafter of the
+    target's width: what a step costs relative to a plain step, i.e. the tau a drafter must beat."""
+    drafter = random_drafter(model, device, dtype)
     decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
     out = {}
     shapes = {"chain": {"chain_length": 4}, "tree": {"depth": 6, "tree_top_k": 8, "total_tokens": 48}}

@@ -45,6 +45,8 @@ Parts
             tokens/s, MFU, peak memory), benchmarks/regen_speed.py (regen vs bare generate on the
             reference target) and benchmarks/extract_speed.py (extract vs the bare forward on the 8B
             shape and the reference target, shards in RAM and on disk).
+- profile:  benchmarks/step_profile.py on the trained pair and a held-out prompt: per plain, chain and
+            tree step (chain: `step_profile.py --methods chain`), kernels launched, GPU time, host launch/wait time and the costliest kernels.
 - peer:     benchmarks/peer_speculators.py on the pipeline's run: a drafter trained by vLLM's speculators
             on the same shards, vocabulary, split, shape and steps, both evaluated and benched the same way.
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
@@ -70,13 +72,13 @@ GPU = {
                    vocab_size=8192, seq_len=512, batch_size=96, lr=1.5e-3, warmup_steps=100, minutes=3.0,
                    corpus="stdlib+site-packages", corpus_mb=120.0, num_prompts=2500, num_eval=40,
                    device="cuda", compile=True, threads=16, max_positions=2048),
-    # 1.2 minutes: the wall time the EAGLE-3 drafter's 800 training steps took on the H200 (72 s)
-    "draft_lm": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, minutes=1.2),
+    # 1.6 minutes: about the wall time of the EAGLE-3 drafter's 1,400 training steps on the H200 (800 took 55 s)
+    "draft_lm": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, minutes=1.6),
     "run": {
         "regen": {"max_new_tokens": 160, "batch_size": 256},
         "extract": {"max_length": 512},
         "vocab": {"size": 4096},
-        "train": {"epochs": 30, "max_steps": 800, "batch_size": 32, "max_length": 512, "lr": 6e-4,
+        "train": {"epochs": 30, "max_steps": 1400, "batch_size": 32, "max_length": 512, "lr": 6e-4,
                   "ttt_steps": 7, "val_fraction": 0.05, "log_every": 50, "save_every": 500, "compile": False},
         "bench": {"num_prompts": 8, "max_new_tokens": 128, "repeats": 1, "warmup": 1,
                   "methods": ["plain", "chain", "tree", "hf_assisted", "hf_prompt_lookup", "hf"],  # eaglekit's first
@@ -183,6 +185,16 @@ def run_peer(work: Path, out: Path, smoke: bool) -> None:
             "--out", str(out / "peer_speculators.json"), env=env)
 
 
+def run_profile(work: Path, out: Path, smoke: bool) -> None:
+    """Where a decode step's time goes for the trained pair on a held-out prompt (kernels, GPU and host time)."""
+    if smoke:
+        _script("step_profile.py", "--smoke", "--out", str(out / "step_profile.json"))
+        return
+    models = work / "models"
+    _script("step_profile.py", "--target", str(models / "reference_target"), "--drafter", str(work / "run" / "train"),
+            "--prompt-file", str(models / "tiny_prompts_eval.jsonl"), "--methods", "plain,tree", "--out", str(out / "step_profile.json"))
+
+
 def run_decode_speed(out: Path, smoke: bool, shape: str = "reference") -> None:
     """Random weights. reference: step costs on the reference target's shape (plain vs chain vs tree, profiled);
     8b: plain decoding vs HF generate and the memory-bandwidth bound, verify cost vs tokens, the tree step."""
@@ -223,6 +235,7 @@ def summarise(work: Path, out: Path) -> dict:
         "decode_speed_8b": load(out / "decode_speed_8b.json"),
         "extract_speed": {name: load(out / f"extract_speed_{name}.json") for name in ("8b_ram", "reference_ram", "reference_disk")},
         "peer_speculators": load(out / "peer_speculators.json"),
+        "step_profile": load(out / "step_profile.json"),
     }
     for key in ("reference_target", "draft_lm"):
         if summary[key]:
@@ -257,6 +270,9 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
         if d:
             speed.append(f"- {name}: plain {d['eaglekit_plain_tokens_per_s']:.1f} tok/s ({d['fraction_of_bound']:.1%} of the bound), "
                          f"plain step {d['plain_step_ms']:.2f} ms, speculative steps {d['speculative_step_ms_random_drafter']} ms")
+    for method, row in ((summary.get("step_profile") or {}).get("methods") or {}).items():
+        speed.append(f"- step_profile {method}: {row['step_ms']:.2f} ms per step (tau {row['tau']:.2f}), "
+                     f"{row['kernels_per_step']:.0f} kernels and {row['gpu_ms_per_step']:.2f} ms of GPU time per step uncaptured")
     for row in (summary.get("train_speed") or {}).get("results", []):
         if "tokens_per_s" in row:
             speed.append(f"- train_speed {row['kind']}/{row['mode']}/{row['attention']}: {row['tokens_per_s']:,.0f} tok/s, "
@@ -284,7 +300,7 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
-                        help="comma list of: target, pipeline, bench, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), summary")
+                        help="comma list of: target, pipeline, bench, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
@@ -300,6 +316,7 @@ def main() -> int:
         "target": lambda: build_models(work, sizes),
         "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
         "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export")),
+        "profile": lambda: run_profile(work, out, args.smoke),
         "peer": lambda: run_peer(work, out, args.smoke),
         "decode_speed": lambda: run_decode_speed(out, args.smoke),
         "decode_speed_8b": lambda: run_decode_speed(out, args.smoke, "8b"),

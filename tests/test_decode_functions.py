@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs, sample
 from eaglekit.decode.tree import (
     ancestor_matrix, build_tree, causal_mask, chain_parents, expand_candidates, extend_ancestry, select_nodes,
-    tree_attention_mask,
+    top_k_rows, tree_attention_mask,
 )
 from eaglekit.decode.verify import recursive_rejection, verify_greedy, verify_sampling
 
@@ -107,3 +108,24 @@ def test_verify_sampling_accepts_sure_tokens():
     probs = torch.nn.functional.one_hot(torch.tensor([1, 2, 0]), 3).float()
     verdict = verify_sampling(tokens, parents, probs)
     assert verdict.path == [0, 1, 2] and verdict.tokens == [1, 2] and verdict.bonus == 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_top_k_rows_equals_topk(k):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4096, generator=generator)  # 32 chunks: the two-pass path
+    values, ids = top_k_rows(x, k)
+    expected = torch.topk(x, k, dim=-1)
+    assert torch.equal(values, expected.values) and torch.equal(x.gather(1, ids), values)
+    assert torch.equal(ids.sort(-1).values, expected.indices.sort(-1).values)
+    short = x[:, :300]  # not a multiple of the chunk: one topk
+    assert torch.equal(top_k_rows(short, k)[0], torch.topk(short, k, dim=-1).values)
+
+
+def test_expand_candidates_normalises_logits():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    frontier = torch.tensor([0.0, -1.0, -2.5])
+    ids, scores, slots = expand_candidates(frontier, logits, 4)
+    logp = torch.log_softmax(logits.float(), -1)
+    assert torch.allclose(scores, (frontier[:, None] + logp.gather(1, ids.view(3, 4))).reshape(-1))
+    assert slots.tolist() == [0] * 4 + [1] * 4 + [2] * 4

@@ -126,7 +126,7 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
             ids, scores, slots = sample(q, generator), f_scores, torch.zeros(1, dtype=torch.long, device=device)
             pool["q"].append(draft_probs_to_target(q, all_draft_ids, vocab_size))
         else:
-            ids, scores, slots = expand_candidates(f_scores, torch.log_softmax(f_logits.float(), -1), width)
+            ids, scores, slots = expand_candidates(f_scores, f_logits, width)
         tokens = all_draft_ids[ids]
         pool["tokens"].append(tokens)
         pool["scores"].append(scores)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eaglekit.errors import EaglekitError
@@ -25,6 +26,23 @@ _NEEDED = ("q_proj", "k_proj", "v_proj", "o_proj")
 # model types whose decoder layer is exactly: x + attn(norm(x)); x + mlp(norm(x)), plain embedding, RoPE
 # (Gemma scales embeddings and adds norms, Phi/Olmo differ too: they stay on the eager path)
 STATIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None):
+    """SDPA of q (1, nh, T, D) over a whole static cache k, v (1, nkv, S, D) under a bool mask.
+
+    A compiled step has one shape and keeps PyTorch's kernel choice. An eager call on a GPU (the
+    prefills: one new shape per prompt length) avoids cuDNN attention, which builds an execution plan
+    for every new shape: measured on an H200, 50-90 ms the first time a prompt length is seen (about
+    1 s for the very first), against a 16-30 ms prefill of the reference target
+    (`benchmarks/results/2026-12-03-h200-s6-probe.json`). K/V heads are repeated for grouped-query
+    attention there, so the memory-efficient kernel applies rather than the math fallback."""
+    if torch.compiler.is_compiling() or not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if q.shape[1] != k.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _rotary_tables(rotary: nn.Module, capacity: int, dtype: torch.dtype, device: torch.device):
@@ -100,8 +118,7 @@ class StaticLlama(nn.Module):
         k_cache.index_copy_(2, slots, k)
         v_cache.index_copy_(2, slots, v)
         scale = getattr(attn, "scaling", self.head_dim ** -0.5)
-        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # (1, nh, T, D)
+        out = attention(q, k_cache, v_cache, mask, scale)  # (1, nh, T, D)
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, self.num_heads * self.head_dim))
 
     def forward(
@@ -208,6 +225,11 @@ class _StaticDraftNet(nn.Module):
         cos, sin = _rotary_tables(drafter.rotary_emb, capacity, param.dtype, param.device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
+        # q/k/v in one GEMM and gate/up in another: the same products with fewer kernels per draft level (copies
+        # of the weights, taken when the backend is built)
+        self.register_buffer("qkv_weight", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), persistent=False)
+        self.register_buffer("gate_up_weight", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), persistent=False)
         shape = (1, self.num_kv_heads, capacity + draft_slots, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
@@ -227,17 +249,18 @@ class _StaticDraftNet(nn.Module):
         normed = mid.hidden_norm(hidden)
         residual = normed if mid.norm_before_residual else hidden
         x = torch.cat([mid.input_layernorm(embeds), normed], dim=-1)  # (1, T, 2H)
-        attn = mid.self_attn
-        q = attn.q_proj(x).view(1, t, self.num_heads, self.head_dim).transpose(1, 2)  # (1, nh, T, D)
-        k = attn.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, D)
-        v = attn.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight).split([nq, nkv, nkv], dim=-1)
+        q = q.view(1, t, self.num_heads, self.head_dim).transpose(1, 2)  # (1, nh, T, D)
+        k = k.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, D)
+        v = v.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, self.cos[positions][None], self.sin[positions][None])
         self.k_cache.index_copy_(2, slots, k)
         self.v_cache.index_copy_(2, slots, v)
-        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # (1, nh, T, D)
-        h = residual + attn.o_proj(out.transpose(1, 2).reshape(1, t, self.num_heads * self.head_dim))
-        h = h + mid.mlp(mid.post_attention_layernorm(h))
+        out = attention(q, self.k_cache, self.v_cache, mask)  # (1, nh, T, D)
+        h = residual + mid.self_attn.o_proj(out.transpose(1, 2).reshape(1, t, nq))
+        gate, up = F.linear(mid.post_attention_layernorm(h), self.gate_up_weight).chunk(2, dim=-1)
+        h = h + mid.mlp.down_proj(mid.mlp.act_fn(gate) * up)
         return h[0], self.drafter.lm_head(self.drafter.norm(h))[0]
 
 

@@ -34,15 +34,43 @@ def chain_parents(num_drafts: int, device: torch.device | str = "cpu") -> torch.
     return torch.arange(-1, num_drafts, device=device)
 
 
+TOPK_CHUNK = 128  # `top_k_rows` splits rows longer than this many chunks' worth into chunks of this size
+
+
+def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(x, k, dim=-1)` of a (R, V) tensor -> (values, indices) (R, k), best first.
+
+    k = 1 is an argmax (one reduction kernel; ties go to the lowest index, as `torch.argmax` documents). Long rows go in two passes: the top k of every chunk of
+    `TOPK_CHUNK` columns, then the top k of those R * V / TOPK_CHUNK candidates. A draft vocabulary row
+    (4k-32k columns) is one thread block per row for a single `topk`, which leaves an H200 almost idle
+    for tens of microseconds; chunked, the first pass spreads over R * V / TOPK_CHUNK blocks. The top-k
+    values are exactly `torch.topk`'s (only the order among equal values may differ)."""
+    rows, width = x.shape
+    if k == 1:
+        ids = x.argmax(dim=-1, keepdim=True)
+        return x.gather(-1, ids), ids
+    chunks = width // TOPK_CHUNK
+    if TOPK_CHUNK < k or chunks < 4 or width % TOPK_CHUNK:
+        return torch.topk(x, k, dim=-1)
+    part_values, part_ids = torch.topk(x.view(rows, chunks, TOPK_CHUNK), k, dim=-1)  # (R, C, k)
+    values, best = torch.topk(part_values.reshape(rows, chunks * k), k, dim=-1)  # (R, k)
+    columns = part_ids + torch.arange(0, width, TOPK_CHUNK, device=x.device)[None, :, None]  # (R, C, k)
+    return values, columns.reshape(rows, chunks * k).gather(1, best)
+
+
 def expand_candidates(
     frontier_scores: torch.Tensor,  # (k,) cumulative log-prob of the nodes being expanded
-    child_logprobs: torch.Tensor,  # (k, Vd) drafter log-probs of each node's next token
+    child_logits: torch.Tensor,  # (k, Vd) drafter logits (or log-probs) of each node's next token
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k children of every frontier node -> (draft ids (k*top_k,), cumulative scores (k*top_k,),
-    frontier slot of each candidate's parent (k*top_k,)). Children of node j come as a block, best first."""
-    values, ids = torch.topk(child_logprobs, top_k, dim=-1)  # (k, top_k)
-    scores = frontier_scores[:, None] + values  # (k, top_k)
+    frontier slot of each candidate's parent (k*top_k,)). Children of node j come as a block, best first.
+
+    The top k are taken on the logits as they come (bf16 on a GPU) and only their log-probs are formed,
+    in float32: logit - logsumexp(logits), the values `log_softmax(logits.float())` has there."""
+    values, ids = top_k_rows(child_logits, top_k)  # (k, top_k)
+    log_norm = torch.logsumexp(child_logits.float(), dim=-1, keepdim=True)  # (k, 1)
+    scores = frontier_scores[:, None] + (values.float() - log_norm)  # (k, top_k)
     slots = torch.arange(frontier_scores.shape[0], device=ids.device)[:, None].expand_as(ids)
     return ids.reshape(-1), scores.reshape(-1), slots.reshape(-1)
 
@@ -50,7 +78,7 @@ def expand_candidates(
 def next_frontier(candidate_scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """Indices of the `top_k` best candidates (by cumulative log-prob) to expand at the next depth."""
     k = min(top_k, candidate_scores.shape[0])
-    return torch.topk(candidate_scores, k).indices
+    return top_k_rows(candidate_scores[None], k)[1][0]
 
 
 def select_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
