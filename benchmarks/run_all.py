@@ -105,8 +105,8 @@ def log(message: str) -> None:
     print(f"[run_all {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def build_models(work: Path, sizes: dict) -> dict:
-    """The reference target and the same-tokenizer draft LM (skipped when already built)."""
+def build_models(work: Path, sizes: dict, draft_lm: bool = True) -> dict:
+    """The reference target and the same-tokenizer draft LM (skipped when already built, or not wanted)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from build_tiny_target import BuildConfig, build
 
@@ -117,6 +117,8 @@ def build_models(work: Path, sizes: dict) -> dict:
         build(BuildConfig(output=str(work / "models"), name="reference_target", **sizes["target"]))
     reports["target"] = json.loads((target_dir / "training_report.json").read_text())
     draft_dir = work / "models" / "draft_lm"
+    if not draft_lm:
+        return reports
     if not (draft_dir / "training_report.json").is_file():
         log("training the draft LM for HF assisted generation (same tokenizer)")
         shared = {k: v for k, v in sizes["target"].items() if k not in sizes["draft_lm"] and k != "compile"}
@@ -126,7 +128,7 @@ def build_models(work: Path, sizes: dict) -> dict:
     return reports
 
 
-def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...]) -> None:
+def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...], bench_methods: str = "") -> None:
     """`eaglekit run` on the reference target with the given stages (finished ones are skipped)."""
     from eaglekit.config import load_config
     from eaglekit.stages import run as run_stage
@@ -142,6 +144,8 @@ def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...]) -> None:
     }
     overrides["bench"] = {**overrides["bench"], "prompts": str(models / "tiny_prompts_eval.jsonl"),
                           "assistant": str(models / "draft_lm")}
+    if bench_methods:
+        overrides["bench"]["methods"] = bench_methods.split(",")
     run_stage.run(load_config(run_stage.Config, None, overrides))
 
 
@@ -304,6 +308,8 @@ def main() -> int:
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
+    parser.add_argument("--bench-methods", default="", help="bench only these methods (comma list; default: all, HF peers included)")
+    parser.add_argument("--no-draft-lm", action="store_true", help="target part: skip the draft LM (only HF assisted generation uses it)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else GPU
@@ -313,9 +319,9 @@ def main() -> int:
     speed = ("decode_speed", "decode_speed_8b", "train_speed", "regen_speed", "extract_speed")
     parts = [q for p in args.parts.split(",") for q in (speed if p == "speed" else (p,))]
     steps = {
-        "target": lambda: build_models(work, sizes),
+        "target": lambda: build_models(work, sizes, not args.no_draft_lm),
         "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
-        "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export")),
+        "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export"), args.bench_methods),
         "profile": lambda: run_profile(work, out, args.smoke),
         "peer": lambda: run_peer(work, out, args.smoke),
         "decode_speed": lambda: run_decode_speed(out, args.smoke),
