@@ -34,6 +34,7 @@ import torch
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "smoke": (64, 128, 4, 4, 2, 512),
     "8b": (4096, 14336, 32, 32, 8, 128256),
+    "reference": (512, 1536, 24, 8, 4, 8192),  # run_all's reference target (speed does not depend on the weights)
 }
 GOAL = 0.85
 
