@@ -36,7 +36,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     for every new shape: measured on an H200, 50-90 ms the first time a prompt length is seen (about
     1 s for the very first), against a 16-30 ms prefill of the reference target
     (`benchmarks/results/2026-12-03-h200-s6-probe.json`). K/V heads are repeated for grouped-query
-    attention there, so the memory-efficient kernel applies rather than the math fallback."""
+    attention there, for the memory-efficient kernel's sake (with `enable_gqa` the probe measured the
+    math kernel's speed)."""
     if torch.compiler.is_compiling() or not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if q.shape[1] != k.shape[1]:
