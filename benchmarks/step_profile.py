@@ -97,8 +97,9 @@ def measure(model, drafter, prompt: list[int], new_tokens: int, methods: list[st
             cuda: bool) -> dict:
     capacity = len(prompt) + new_tokens + 64
     results = {}
+    original = static.COMPILE_OPTIONS
     for graphs in (True, False) if cuda else (False,):
-        options = dict(static.COMPILE_OPTIONS)
+        options = dict(original)
         if not graphs:
             options.pop("mode", None)  # inductor kernels launched one by one (profilable)
         static.COMPILE_OPTIONS = options
@@ -121,6 +122,7 @@ def measure(model, drafter, prompt: list[int], new_tokens: int, methods: list[st
                            host_wait_ms=statistics.median(t[2] for t in timings))
             if not graphs or not cuda:
                 row.update(_kernel_profile(run, method, top))
+    static.COMPILE_OPTIONS = original
     return results
 
 
