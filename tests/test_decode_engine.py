@@ -273,3 +273,16 @@ def test_speculative_steps_make_no_host_transfers(backend, compiled, monkeypatch
             counts.append(traffic.count)
             assert len(result.stats.accepted) > new // 2  # many steps: a per-step transfer could not hide
         assert counts[0] == counts[1], (method, temperature, counts)
+
+
+def test_eager_gpu_attention_path_equals_grouped_query_sdpa():
+    # the path eager GPU calls take (no cuDNN: K/V heads repeated) computes what SDPA's enable_gqa does
+    from eaglekit.decode.static import attention, attention_without_cudnn
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 5, 16, generator=generator)
+    k, v = (torch.randn(1, 2, 12, 16, generator=generator) for _ in range(2))
+    mask = (torch.arange(12)[None] <= torch.arange(5)[:, None] + 6)[None, None]  # (1, 1, T, S)
+    expected = attention(q, k, v, mask, 0.3)  # CPU: SDPA with enable_gqa
+    assert torch.allclose(attention_without_cudnn(q, k, v, mask, 0.3), expected, atol=1e-6)
+    assert not torch.allclose(attention_without_cudnn(q, k.roll(1, dims=1), v.roll(1, dims=1), mask, 0.3), expected, atol=1e-3)

@@ -40,6 +40,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     math kernel's speed)."""
     if torch.compiler.is_compiling() or not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return attention_without_cudnn(q, k, v, mask, scale)
+
+
+def attention_without_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None):
+    """`attention`'s eager path: K/V heads repeated to the query heads (query head h reads K/V head
+    h // (nh / nkv), as `enable_gqa` does), then the memory-efficient kernel, or math where it cannot run."""
     if q.shape[1] != k.shape[1]:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
