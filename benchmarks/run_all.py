@@ -14,10 +14,9 @@
     # last measured in earlier sessions: results/2026-12-02-h200-{decode_speed,s4-extract_speed_*}.json):
     python benchmarks/run_all.py --parts decode_speed,train_speed,summary --work runs/reference --out $OUT
     python benchmarks/run_all.py --parts decode_speed_8b,summary --work runs/reference --out $OUT
-    # or, as in the fifth session: one chain started in the background (`setsid nohup bash chain.sh &`, where
-    # chain.sh runs the commands above one after another), so it runs on between device commands, and each
-    # command only waits on its log (`grep -q "CHAIN DONE"`) and returns the results packed in one tar file
-    # (at most 8 files come back from $OUT)
+    # or, as in the fifth session, one chain in the background that runs on between device commands; each
+    # command only waits on its log and returns the results packed in one tar file (benchmarks/device_chain.sh:
+    # `bash benchmarks/device_chain.sh start`, then `bash benchmarks/device_chain.sh wait` until CHAIN DONE)
     # the same flow at toy sizes on a CPU, under a minute:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
