@@ -32,7 +32,7 @@ chain() {
     log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     python3 benchmarks/run_all.py --parts pipeline,bench,summary $FLAGS --work "$WORK" --out "$RESULTS" > "$RESULTS/bench.log" 2>&1
     log "pipeline, bench rc=$?"
-    python3 benchmarks/extract_speed.py --target "$WORK/models/reference_target" --batch-size 64 --seq-len 512 --steps 24 \
+    python3 benchmarks/extract_speed.py --target "$WORK/models/reference_target" --batch-size 64 --seq-len 512 --steps 96 \
         --repeats 2 --dtypes bf16 --no-tiny --no-quant --shard-dir /dev/shm/eaglekit-extract \
         --out "$RESULTS/extract_speed_reference_ram.json" > "$RESULTS/extract.log" 2>&1
     log "extract_speed rc=$?"
