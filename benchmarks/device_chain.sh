@@ -7,7 +7,7 @@
 #   bash benchmarks/device_chain.sh wait     # every next command, until the log says CHAIN DONE
 #
 # The chain: tests/test_decode_gpu.py (beside the target build) -> run_all target -> pipeline, bench,
-# summary -> extract_speed on the reference target (shards in RAM) -> run_all profile, summary. Each
+# summary -> run_all extract_speed_reference (shards in RAM), profile, summary. Each
 # command returns $OUT/chain.tgz (runs/chain: run_all's figures, logs, the run's reports and bench), re-packed
 # every 60 s, so a command cut off by the device budget still brings back what was done.
 # Environment: RUN_ALL_FLAGS (e.g. "--bench-methods plain,chain,tree" to leave out the slow HF peers;
@@ -32,12 +32,9 @@ chain() {
     log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     python3 benchmarks/run_all.py --parts pipeline,bench,summary $FLAGS --work "$WORK" --out "$RESULTS" > "$RESULTS/bench.log" 2>&1
     log "pipeline, bench rc=$?"
-    python3 benchmarks/extract_speed.py --target "$WORK/models/reference_target" --batch-size 64 --seq-len 512 --steps 96 \
-        --repeats 2 --dtypes bf16 --no-tiny --no-quant --shard-dir /dev/shm/eaglekit-extract \
-        --out "$RESULTS/extract_speed_reference_ram.json" > "$RESULTS/extract.log" 2>&1
-    log "extract_speed rc=$?"
-    python3 benchmarks/run_all.py --parts profile,summary $FLAGS --work "$WORK" --out "$RESULTS" > "$RESULTS/profile.log" 2>&1
-    log "profile rc=$?"
+    python3 benchmarks/run_all.py --parts extract_speed_reference,profile,summary $FLAGS --work "$WORK" --out "$RESULTS" \
+        > "$RESULTS/extract_profile.log" 2>&1
+    log "extract_speed_reference, profile rc=$?"
     log "CHAIN DONE"
 }
 

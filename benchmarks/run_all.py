@@ -44,8 +44,9 @@ Parts
             tokens/s, MFU, peak memory), benchmarks/regen_speed.py (regen vs bare generate on the
             reference target) and benchmarks/extract_speed.py (extract vs the bare forward on the 8B
             shape and the reference target, shards in RAM and on disk).
-- profile:  benchmarks/step_profile.py on the trained pair and a held-out prompt: per plain, chain and
-            tree step (chain: `step_profile.py --methods chain`), kernels launched, GPU time, host launch/wait time and the costliest kernels.
+- profile:  benchmarks/step_profile.py on the trained pair and a held-out prompt: per plain and tree step
+            (chain: `step_profile.py --methods chain`), kernels launched, GPU time, host launch/wait
+            time and the costliest kernels.
 - peer:     benchmarks/peer_speculators.py on the pipeline's run: a drafter trained by vLLM's speculators
             on the same shards, vocabulary, split, shape and steps, both evaluated and benched the same way.
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
@@ -162,20 +163,29 @@ def run_regen_speed(work: Path, out: Path, smoke: bool) -> None:
             "--out", str(out / "regen_speed.json"))
 
 
+RAM_SHARDS = ["--shard-dir", "/dev/shm/eaglekit-extract"]
+
+
 def run_extract_speed(work: Path, out: Path, smoke: bool) -> None:
     """extract vs the bare forward: the 8B-shaped random Llama (bf16 and float8, shards in RAM) and the
     reference target (bf16, shards in RAM: what the pipeline sustains; on disk: what the disk allows)."""
     if smoke:
         _script("extract_speed.py", "--smoke", "--no-tiny", "--no-quant", "--out", str(out / "extract_speed_reference_ram.json"))
         return
-    ram = ["--shard-dir", "/dev/shm/eaglekit-extract"]
-    _script("extract_speed.py", "--steps", "24", "--repeats", "1", "--no-tiny", "--no-quant", *ram, "--out", str(out / "extract_speed_8b_ram.json"))
+    _script("extract_speed.py", "--steps", "24", "--repeats", "1", "--no-tiny", "--no-quant", *RAM_SHARDS,
+            "--out", str(out / "extract_speed_8b_ram.json"))
+    run_extract_speed_reference(work, out, disk=True)
+
+
+def run_extract_speed_reference(work: Path, out: Path, disk: bool = False) -> None:
+    """extract vs the bare forward on the reference target, bf16 shards in RAM (and on disk)."""
     # 96 batches (~3.5 s a repeat): the last shard's flush after the last forward (~0.13 s, once per run) weighed
     # 13% in session 6's 24-batch measurement (0.86 s), far more than in any real extraction
     shape = ["--target", str(work / "models" / "reference_target"), "--batch-size", "64", "--seq-len", "512", "--steps", "96",
              "--repeats", "2", "--dtypes", "bf16", "--no-tiny", "--no-quant"]
-    _script("extract_speed.py", *shape, *ram, "--out", str(out / "extract_speed_reference_ram.json"))
-    _script("extract_speed.py", *shape, "--out", str(out / "extract_speed_reference_disk.json"))
+    _script("extract_speed.py", *shape, *RAM_SHARDS, "--out", str(out / "extract_speed_reference_ram.json"))
+    if disk:
+        _script("extract_speed.py", *shape, "--out", str(out / "extract_speed_reference_disk.json"))
 
 
 def run_peer(work: Path, out: Path, smoke: bool) -> None:
@@ -305,7 +315,7 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
-                        help="comma list of: target, pipeline, bench, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), summary")
+                        help="comma list of: target, pipeline, bench, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), extract_speed_reference (its reference target in RAM only), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
@@ -330,6 +340,8 @@ def main() -> int:
         "train_speed": lambda: run_train_speed(out, args.smoke, args.train_speed_budget),
         "regen_speed": lambda: run_regen_speed(work, out, args.smoke),
         "extract_speed": lambda: run_extract_speed(work, out, args.smoke),
+        "extract_speed_reference": lambda: (run_extract_speed(work, out, True) if args.smoke
+                                            else run_extract_speed_reference(work, out)),
         "summary": lambda: summarise(work, out),
     }
     unknown = [p for p in parts if p not in steps]
