@@ -7,7 +7,8 @@
 #   bash benchmarks/device_chain.sh wait     # every next command, until the log says CHAIN DONE
 #
 # The chain: tests/test_decode_gpu.py (beside the target build) -> run_all target -> pipeline, bench,
-# summary -> run_all extract_speed_reference (shards in RAM), profile, summary. Each
+# summary -> run_all extract_speed_reference (shards in RAM), profile, summary -> where .whl/ holds speculators'
+# wheels (benchmarks/peer_speculators.py lists them; name .whl in the device call's carry), run_all peer. Each
 # command returns $OUT/chain.tgz (runs/chain: run_all's figures, logs, the run's reports and bench), re-packed
 # every 60 s, so a command cut off by the device budget still brings back what was done.
 # Environment: RUN_ALL_FLAGS (e.g. "--bench-methods plain,chain,tree" to leave out the slow HF peers;
@@ -35,6 +36,14 @@ chain() {
     python3 benchmarks/run_all.py --parts extract_speed_reference,profile,summary $FLAGS --work "$WORK" --out "$RESULTS" \
         > "$RESULTS/extract_profile.log" 2>&1
     log "extract_speed_reference, profile rc=$?"
+    if [ -d .whl ]; then  # the peer's libraries go to a folder only the peer's process sees
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            > "$RESULTS/peer.log" 2>&1
+        python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__)" >> "$RESULTS/peer.log" 2>&1
+        EAGLEKIT_PEER_SITE=/tmp/site python3 benchmarks/run_all.py --parts peer,summary $FLAGS --work "$WORK" \
+            --out "$RESULTS" >> "$RESULTS/peer.log" 2>&1
+        log "peer rc=$?"
+    fi
     log "CHAIN DONE"
 }
 
@@ -45,6 +54,8 @@ pack() {
         [ -f "$run/$f" ] && cp "$run/$f" "$into/"
     done
     [ -d "$run/bench" ] && cp -r "$run/bench" "$into/"
+    [ -f "$run/peer_speculators/peer/speculators_train.log" ] && tail -c 200000 "$run/peer_speculators/peer/speculators_train.log" \
+        > "$RESULTS/speculators_train.log"
     for m in reference_target draft_lm; do
         [ -f "$WORK/models/$m/training_report.json" ] && cp "$WORK/models/$m/training_report.json" "$RESULTS/$m.json"
     done
