@@ -263,7 +263,7 @@ def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str
         "norm-before-residual": drafter.norm_before_residual, "norm-before-fc": False, "norm-output": False,  # eaglekit's drafter
         "full-attention-indices": [0], "draft-attn-impl": "simple_flex_attention" if cuda else "sdpa",
         "ttt-steps": c.ttt_steps, "ttt-step-loss-decay": c.step_decay, "loss-fn": "kl_div",
-        "loss-implementation": "fused" if cuda else "eager",  # fused needs Triton
+        "loss-implementation": args.peer_loss,
         "optimizer": "adamw", "lr": c.lr, "weight-decay": c.weight_decay,
         "scheduler-type": "cosine", "scheduler-warmup-steps": warmup, "scheduler-total-steps": args.steps,
         "epochs": plan["epochs"], "max-steps": args.steps, "total-seq-len": plan["packed"],
@@ -414,6 +414,10 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--work", default="", help="work directory (default RUN_DIR/peer_speculators)")
     parser.add_argument("--hs-dtype", default="auto", choices=("auto", "bf16", "fp32"),
                         help="dtype of the converted hidden states (auto: fp32 when the peer trains in fp32, else bf16)")
+    parser.add_argument("--peer-loss", default="eager", choices=("eager", "fused"),
+                        help="speculators --loss-implementation. fused (Triton) broke under torch 2.11's dynamo on the H200 "
+                             "(2026-12-03: 'ListVariable(length=21) is already tracked for mutation' at speculators/losses/fused.py:343); "
+                             "eager computes the same KL loss in plain torch")
     parser.add_argument("--peer-workers", type=int, default=-1, help="speculators --num-workers (-1: 0 on cpu, 4 on cuda)")
     args = parser.parse_args(argv)
     if args.peer_workers < 0:
