@@ -25,6 +25,17 @@ def test_help_is_fast_and_imports_no_torch():
         assert f"  {name}" in out
 
 
+def test_help_into_a_closed_pipe_is_quiet():
+    """`eaglekit run --help | head -1`: the reader leaves early; no traceback, exit status 0."""
+    code = "import sys; from eaglekit.cli import main; sys.exit(main(['run', '--help']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and first.startswith(b"usage"), (first, err)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_stage_modules_import_no_torch_and_run_help_lists_options():
     """Every stage module (and `eaglekit run --help`, which reads every stage's Config) stays light:
     torch and transformers are imported only when a stage runs."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -77,11 +78,20 @@ def split_args(args: list[str], positional: tuple[str, ...] = ()) -> tuple[str |
     return config_path, overrides
 
 
+def _show(print_help, *args) -> int:
+    """Print help; a reader that leaves early (`eaglekit run --help | head`) is not an error."""
+    try:
+        print_help(*args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit cannot fail again
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        _print_main_help()
-        return 0
+        return _show(_print_main_help)
     if argv[0] in ("-V", "--version"):
         print(f"eaglekit {__version__}")
         return 0
@@ -94,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eaglekit: unknown stage '{name}'{hint}\n{USAGE}", file=sys.stderr)
         return 2
     if any(a in ("-h", "--help") for a in rest):
-        _print_stage_help(name)
-        return 0
+        return _show(_print_stage_help, name)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         from eaglekit.config import load_config
