@@ -29,9 +29,11 @@ RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eagl
 Work files (converted data, peer checkpoints and log, imported drafter) go to --work (default RUN_DIR/peer_speculators).
 
 speculators 0.9.0 trains only on an accelerator: its Trainer moves the model to `local_rank`, an accelerator index
-(speculators/train/trainer.py:348, `self.model.to(self.local_rank)`; batches likewise at :533), so on a machine without
-one the peer's run stops there. The JSON then holds eaglekit's figures, the conversion and that error
-(`status: peer_failed`), and the script exits with a one-line message naming the failing line.
+(speculators/train/trainer.py:348, `self.model.to(self.local_rank)`; batches likewise at :533). With --device cpu the
+peer runs under `CPU_LAUNCHER`, which maps that index to the CPU and nothing else; on the CPU the peer uses SDPA
+attention, on CUDA speculators' default flex attention (packed length a multiple of 128: `FLEX_BLOCK`). Its
+loss is the eager KL (`--peer-loss`). If the peer fails, the JSON holds eaglekit's figures, the conversion and
+the error (`status: peer_failed`), and the script exits with a one-line message naming the failing line.
 
 Carrying speculators to a GPU machine without internet (its torch is used; 6.9 MB of wheels): here,
 `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
@@ -63,6 +65,10 @@ import torch
 PEER_VERSION = "0.9.0"
 INSTALL_HINT = (f"python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install torch==2.13.0 && /tmp/specvenv/bin/pip install "
                 f"speculators=={PEER_VERSION} && /tmp/specvenv/bin/pip uninstall -y torchvision torchaudio")
+# speculators' flex-attention TTT mask grows by whole 128-token blocks (models/eagle3/attention.py,
+# extend_mask_for_draft_tokens), so a packed length off that grid fails at the second TTT step (H200, 2026-12-03:
+# "block_mask was created for ... (1, 1, 768, 1536) but got q_len=648 and kv_len=1296")
+FLEX_BLOCK = 128
 LABEL_CHECK_TOKENS = 2048  # validation tokens on which eaglekit's and the peer's soft labels are compared
 
 # Runs in the peer's Python: speculators' own packing sampler, to pick the packed length (tokens per step) and the
@@ -84,14 +90,35 @@ def plan(packed):
             tokens += sum(min(lengths[i], packed) for i in batch)
         done, epochs = done + min(len(batches), steps - done), epochs + 1
     return {"packed": packed, "epochs": epochs, "tokens_per_step": tokens / steps}
-packed = max(a["longest"], round(a["tokens_per_step"]))
+def up(n):  # flex attention's block mask needs a whole number of blocks
+    return -(-n // a["multiple"]) * a["multiple"]
+packed = up(max(a["longest"], round(a["tokens_per_step"])))
 tried = [plan(packed)]
 for _ in range(3):  # packing leaves slack: scale the length until a step holds eaglekit's tokens per step
-    packed = max(a["longest"], round(tried[-1]["packed"] * a["tokens_per_step"] / tried[-1]["tokens_per_step"]))
+    packed = up(max(a["longest"], round(tried[-1]["packed"] * a["tokens_per_step"] / tried[-1]["tokens_per_step"])))
     if any(t["packed"] == packed for t in tried):
         break
     tried.append(plan(packed))
 print(json.dumps(min(tried, key=lambda t: abs(t["tokens_per_step"] - a["tokens_per_step"]))))
+"""
+
+# Runs `python -m speculators ARGS` on a machine without an accelerator. speculators 0.9.0 trains on `local_rank`,
+# an accelerator index (train/trainer.py:348 `self.model.to(self.local_rank)`, batches at :533), and its step timer
+# calls torch.accelerator.synchronize() (:80); here an integer device means the CPU and synchronising is a no-op.
+# Nothing else of speculators changes: its model, loss (eager), data, packing, optimizer and schedule run as they are.
+CPU_LAUNCHER = r"""
+import runpy, sys, torch
+def on_cpu(to):
+    def moved(self, *args, **kwargs):
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            args = ("cpu", *args[1:])
+        return to(self, *args, **kwargs)
+    return moved
+torch.accelerator.synchronize = lambda *args, **kwargs: None
+torch.nn.Module.to = on_cpu(torch.nn.Module.to)
+torch.Tensor.to = on_cpu(torch.Tensor.to)
+sys.argv = ["speculators", *sys.argv[1:]]
+runpy.run_module("speculators", run_name="__main__", alter_sys=True)
 """
 
 VERSIONS_SNIPPET = ("import json, torch, transformers, speculators.version as v; "
@@ -238,8 +265,10 @@ def label_check(trainer: Any, data: Path, n_train: int, norm_weight: torch.Tenso
 
 # ---- the peer's run ------------------------------------------------------------------------------
 
-def plan_peer(python: str, lengths: list[int], steps: int, tokens_per_step: float, seed: int) -> dict[str, Any]:
-    payload = json.dumps({"lengths": lengths, "steps": steps, "tokens_per_step": tokens_per_step, "seed": seed, "longest": max(lengths)})
+def plan_peer(python: str, lengths: list[int], steps: int, tokens_per_step: float, seed: int, multiple: int) -> dict[str, Any]:
+    """speculators' packed length (a multiple of `multiple`) and epochs for `steps` steps of about `tokens_per_step`."""
+    payload = json.dumps({"lengths": lengths, "steps": steps, "tokens_per_step": tokens_per_step, "seed": seed,
+                          "longest": max(lengths), "multiple": multiple})
     out = subprocess.run([python, "-c", PLAN_SNIPPET], input=payload, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"planning the peer's packing failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -270,7 +299,8 @@ def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str
         "train-data-ratio": conv["train_data_ratio"], "hidden-states-dtype": "float32" if amp is None else "bfloat16",
         "num-workers": args.peer_workers, "on-missing": "raise", "no-resume-from-checkpoint": True, "log-freq": 1,
     }
-    cmd = [args.peer_python, "-m", "speculators", "train"]
+    launch = ["-m", "speculators"] if cuda else ["-c", CPU_LAUNCHER]
+    cmd = [args.peer_python, *launch, "train"]
     for key, value in settings.items():
         if value is True:
             cmd.append(f"--{key}")
@@ -281,6 +311,11 @@ def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str
         else:
             cmd += [f"--{key}", str(value)]
     return cmd, settings
+
+
+def shown(cmd: list[str]) -> list[str]:
+    """The command as printed and reported: the CPU launcher by name."""
+    return ["<peer_speculators.CPU_LAUNCHER>" if part == CPU_LAUNCHER else part for part in cmd]
 
 
 def speculators_error(log: str) -> dict[str, str]:
@@ -301,7 +336,7 @@ def train_peer(cmd: list[str], save: Path, device: str) -> dict[str, Any]:
     if not device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = ""  # speculators has no device option: it trains on any accelerator it sees
     log_path = save.parent / "speculators_train.log"
-    print("peer:", " ".join(cmd), flush=True)
+    print("peer:", " ".join(shown(cmd)), flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
@@ -456,9 +491,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         eps = float(getattr(text_config(load_target_config(c.target)), "rms_norm_eps", 1e-6))
         label = label_check(trainer, work / "data", conv["train_records"], norm_weight, eps)
         eaglekit_tps = eaglekit_tokens_per_step(trainer, args.steps)
-        plan = plan_peer(args.peer_python, conv.pop("train_lengths"), args.steps, eaglekit_tps, c.seed)
+        multiple = FLEX_BLOCK if args.device.startswith("cuda") else 1  # cuda: simple_flex_attention (peer_command)
+        plan = plan_peer(args.peer_python, conv.pop("train_lengths"), args.steps, eaglekit_tps, c.seed, multiple)
         cmd, settings = peer_command(args, trainer, work / "data", work / "peer" / "checkpoints", plan, conv)
-        report.update(data={**conv, "label_check": label}, commands={"this": [sys.executable, *sys.argv], "peer_train": cmd},
+        report.update(data={**conv, "label_check": label}, commands={"this": [sys.executable, *sys.argv], "peer_train": shown(cmd)},
                       settings={"eaglekit": {k: getattr(c, k) for k in ("ttt_steps", "step_decay", "lr", "betas", "weight_decay",
                                 "warmup_steps", "min_lr_ratio", "grad_clip", "batch_size", "grad_accum", "max_length", "epochs",
                                 "max_steps", "seed", "device", "dtype", "attention")}, "peer": settings},
