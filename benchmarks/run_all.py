@@ -20,12 +20,12 @@
     # the same flow at toy sizes on a CPU, under a minute:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
-Measured on H200s on 2026-12-02 (fifth session, all from one background chain): target 400 s (reference
-target and draft LM, tokenising included), pipeline 118 s, bench with every method at T=0 and T=1 on 8
-prompts 318 s, extract_speed on the reference target ~1 min (RAM and disk); earlier: train_speed's four
-cases 103 s, decode_speed 163 s, extract_speed on the 8B shape 31 s, regen_speed on a 1B shape 73 s. The
-peer part (speculators' training of the same steps, then two benches) has not fitted in a session yet:
-give it a session of its own after target and pipeline (~9 min), or start it first.
+Measured on an H200 on 2026-12-03 (seventh session, one background chain of 23 min with
+device_chain.sh): target 329 s and draft LM 89 s (tokenising included), pipeline ~170 s (regen 74 s,
+train 84 s for 1,100 steps), bench with every method at T=0 and T=1 on 8 prompts 369 s, extract_speed on
+the reference target plus profile 3.6 min, the peer part 3.4 min (it stopped in speculators; both causes
+are now avoided, see benchmarks/README.md); earlier: train_speed's four cases 103 s, decode_speed 163 s,
+extract_speed on the 8B shape 31 s, regen_speed on a 1B shape 73 s.
 
 Parts
 - target:   trains the reference target (Llama, own BPE tokenizer, ChatML template) from scratch on the
