@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "extract_speed", "disk_write_GB_per_s": round(disk, 3), "storage_error_vs_fp32": quant, "goal": f"extract >= {GOAL:.0%} of bare forward tokens/s",
               "config": {k: v for k, v in vars(args).items()}, "cpu_cores_per_process": cores_per_process(),
               "device": str(device), "environment": environment(),
-              "tiny_target": "measured" if tiny is not None else "absent from this checkout (src/eaglekit/assets/tiny_target)",
+              "tiny_target": "measured" if tiny is not None else "not measured (--no-tiny)" if args.no_tiny
+              else "absent from this checkout (src/eaglekit/assets/tiny_target)",
               "results": rows, "goal_met": all(r["ratio"] >= GOAL for r in rows) if device.type == "cuda" else None}
     out = Path(args.out or Path(__file__).parent / "results" / f"extract_speed{'_smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
