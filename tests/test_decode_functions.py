@@ -7,10 +7,10 @@ import torch
 
 from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs, sample
 from eaglekit.decode.tree import (
-    ancestor_matrix, build_tree, causal_mask, chain_parents, expand_candidates, extend_ancestry, select_nodes,
+    ancestor_matrix, build_tree, causal_mask, chain_parents, expand_candidates, extend_ancestry, sample_candidates, select_nodes,
     top_k_rows, tree_attention_mask,
 )
-from eaglekit.decode.verify import recursive_rejection, verify_greedy, verify_sampling
+from eaglekit.decode.verify import child_table, recursive_rejection, verify_greedy, verify_sampling
 
 
 def test_logits_to_probs_filters():
@@ -129,3 +129,35 @@ def test_expand_candidates_normalises_logits():
     logp = torch.log_softmax(logits.float(), -1)
     assert torch.allclose(scores, (frontier[:, None] + logp.gather(1, ids.view(3, 4))).reshape(-1))
     assert slots.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_child_table_lists_children_in_node_order():
+    parents = torch.tensor([-1, 0, 0, 1, 0, 1])
+    assert child_table(parents, 3).tolist() == [[1, 2, 4], [3, 5, -1], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]
+    assert child_table(parents, 2)[0].tolist() == [1, 2]  # a third child past the width is left out
+
+
+def test_sample_candidates_draws_without_replacement_in_draw_order():
+    q = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.0, 0.0, 0.0, 0.6, 0.4]])
+    g = torch.Generator().manual_seed(0)
+    firsts = torch.zeros(5)
+    for _ in range(4000):
+        ids, scores, slots = sample_candidates(torch.tensor([0.0, -1.0]), q, 3, g)
+        ids, scores = ids.view(2, 3), scores.view(2, 3)
+        assert len(set(ids[0].tolist())) == 3 and 4 not in ids[0].tolist()  # distinct, never a token with q = 0
+        assert torch.all(scores[:, :-1] >= scores[:, 1:])  # scores fall in draw order
+        assert sorted(ids[1, :2].tolist()) == [3, 4] and scores[1, 2] == float("-inf")  # support of 2: a filler
+        assert slots.tolist() == [0, 0, 0, 1, 1, 1]
+        firsts[ids[0, 0]] += 1
+    assert torch.allclose(firsts / 4000, q[0], atol=0.025)  # the first draw follows q
+
+
+def test_build_tree_carries_each_kept_nodes_child_distribution():
+    """Pool: root children 0, 1, 2; children of pool 1: 3, 4. Rows: the root's, pool 1's and pool 2's
+    children distributions. Keeping 3 nodes (pool 0, 1, 3) drops pool 2, so its row goes too."""
+    scores = torch.tensor([-0.1, -0.2, -3.0, -0.5, -4.0])
+    rows, owners = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]), torch.tensor([-1, 1, 2])
+    tree = build_tree(torch.tensor(9), torch.tensor([10, 11, 12, 13, 14]), scores, torch.tensor([-1, -1, -1, 1, 1]),
+                      torch.tensor([1, 1, 1, 2, 2]), 3, rows, owners)
+    assert tree.tokens.tolist() == [9, 10, 11, 13] and tree.parents.tolist() == [-1, 0, 0, 2]
+    assert tree.child_probs.tolist() == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]]

@@ -1,5 +1,5 @@
-"""Statistical test: speculative sampling (chain with sampled drafts, tree with top-k drafts) emits
-tokens with exactly the target's distribution.
+"""Statistical test: speculative sampling (chain with sampled drafts, tree with top-k drafts, tree with
+children drawn without replacement) emits tokens with exactly the target's distribution.
 
 A bigram "target" P[a] and a different "drafter" Q[a] over a 5-token vocabulary; each trial runs
 speculative steps (pure functions only) until two tokens are out. The empirical distribution of the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eaglekit.decode.sampling import sample
-from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents
+from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents, sample_candidates
 from eaglekit.decode.verify import verify_sampled_chain, verify_sampled_tree, verify_sampling
 
 V, TRIALS, CHI2_999_DF24 = 5, 4000, 51.18
@@ -43,6 +43,29 @@ def _tree(root: int, draft: torch.Tensor, g: torch.Generator) -> DraftTree:
     return DraftTree(torch.tensor(tokens), torch.tensor([-1, 0, 0, 0, 1, 1]), torch.tensor([0, 1, 1, 1, 2, 2]))
 
 
+def _without_replacement(q: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The distribution each of `ids` (drawn in turn without replacement from q) was drawn from."""
+    rows, left = [], q.clone()
+    for i in ids:
+        rows.append(left / left.sum())
+        left[i] = 0.0
+    return torch.stack(rows)
+
+
+def _sampled_tree(root: int, draft: torch.Tensor, g: torch.Generator) -> DraftTree:
+    """Root -> 3 children drawn without replacement from draft[root] (`sample_candidates`); the first
+    child -> 2 drawn from draft[child]. child_probs: what each node's children came from; draft_probs:
+    what each node itself was drawn from (the sequential reference's input)."""
+    kids = sample_candidates(torch.zeros(1), draft[root][None], 3, g)[0].tolist()
+    grandkids = sample_candidates(torch.zeros(1), draft[kids[0]][None], 2, g)[0].tolist()
+    tokens = [root] + kids + grandkids
+    child_probs = torch.zeros(6, V)
+    child_probs[0], child_probs[1] = draft[root], draft[kids[0]]
+    drawn_from = torch.cat([torch.zeros(1, V), _without_replacement(draft[root], kids), _without_replacement(draft[kids[0]], grandkids)])
+    return DraftTree(torch.tensor(tokens), torch.tensor([-1, 0, 0, 0, 1, 1]), torch.tensor([0, 1, 1, 1, 2, 2]),
+                     draft_probs=drawn_from, child_probs=child_probs)
+
+
 def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     target, draft = _tables()
     g = torch.Generator().manual_seed(5)
@@ -50,8 +73,11 @@ def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(TRIALS):
         out, last = [], root
         while len(out) < 2:
-            tree = _chain(last, draft, g) if kind.startswith("chain") else _tree(last, draft, g)
-            if kind == "chain_on_device":
+            tree = (_chain if kind.startswith("chain") else _sampled_tree if kind.startswith("sampled") else _tree)(last, draft, g)
+            if kind == "sampled_tree_on_device":
+                verdict = verify_sampled_tree(tree.tokens, tree.parents, ancestor_matrix(tree.parents, 2), target[tree.tokens], g,
+                                              tree.child_probs, 3)
+            elif kind == "chain_on_device":
                 verdict = verify_sampled_chain(tree.tokens, target[tree.tokens], tree.draft_probs, g)
             elif kind == "tree_on_device":
                 verdict = verify_sampled_tree(tree.tokens, tree.parents, ancestor_matrix(tree.parents, 2), target[tree.tokens], g)
@@ -75,9 +101,10 @@ def test_chain_speculative_sampling_matches_target(kind):
     assert _chi_square(counts, expected) < CHI2_999_DF24
 
 
-@pytest.mark.parametrize("kind", ["tree", "tree_on_device"])
+@pytest.mark.parametrize("kind", ["tree", "tree_on_device", "sampled_tree", "sampled_tree_on_device"])
 def test_tree_multi_draft_sampling_matches_target(kind):
-    """The sequential multi-draft rule, and its one-draw-per-node form that the decoder runs for trees."""
+    """The sequential multi-draft rule, and the forms the decoder runs: one draw per node for top-k
+    children, recursive rejection at every node at once for children drawn without replacement."""
     counts, expected = _pairs(kind)
     assert _chi_square(counts, expected) < CHI2_999_DF24
 
@@ -128,3 +155,24 @@ def test_chain_acceptance_is_the_overlap_of_p_and_q(rule):
             verdict = verify_sampled_chain(tokens, probs, drafts, generator)
         accepted += verdict.num_accepted
     assert abs(accepted / trials - 0.7) < 0.015
+
+
+def test_children_drawn_without_replacement_accept_as_recursive_rejection_says():
+    """Lossless is not enough here either: two children drawn without replacement from q are accepted
+    with P = sum min(p, q) + sum_x1 max(0, q - p)(x1) * sum min(p2, q2[x1]), where p2 = norm(max(0, p - q))
+    and q2[x1] = q without x1, renormalised (computed exactly below). Here that is 0.790 against 0.70 for
+    one sampled draft, and 0.3 for q's two most likely tokens as one-hot children."""
+    p, q = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.1]), torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
+    overlap = float(torch.minimum(p, q).sum())
+    p2 = (p - q).clamp(min=0) / (p - q).clamp(min=0).sum()
+    second = sum(float((q[x] - p[x]).clamp(min=0)) * float(torch.minimum(p2, _without_replacement(q, [x, x])[1]).sum())
+                 for x in range(5))
+    exact = overlap + second
+    tokens, parents = torch.tensor([0, 0, 0]), torch.tensor([-1, 0, 0])
+    ancestors, child_probs = ancestor_matrix(parents, 1), torch.stack([q, torch.zeros(5), torch.zeros(5)])
+    g, trials, accepted = torch.Generator().manual_seed(0), 20000, 0
+    for _ in range(trials):
+        tokens[1:] = sample_candidates(torch.zeros(1), q[None], 2, g)[0]
+        accepted += verify_sampled_tree(tokens, parents, ancestors, p.expand(3, -1), g, child_probs, 2).num_accepted
+    assert exact > overlap + 0.05
+    assert abs(accepted / trials - exact) < 0.015, (accepted / trials, exact)

@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from eaglekit.decode.sampling import choose, draft_probs_to_target, logits_to_probs, sample
 from eaglekit.decode.tree import (
-    DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier,
+    DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier, sample_candidates,
 )
 from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_chain, verify_sampled_tree
 from eaglekit.errors import EaglekitError
@@ -111,6 +111,7 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
     chain = options.method == "chain"
     width, depth = (1, options.chain_length) if chain else (options.tree_top_k, options.depth)
     sampled = chain and options.temperature > 0
+    sampled_tree = not chain and options.temperature > 0  # children drawn without replacement from q
     device = root_logits.device
     all_draft_ids = drafter.draft_to_target(torch.arange(root_logits.shape[-1], device=device))  # (Vd,)
     f_hidden, f_logits = root_hidden[None], root_logits[None]  # (k, H), (k, Vd) of the frontier nodes
@@ -118,13 +119,18 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
     f_pool = torch.full((1,), -1, dtype=torch.long, device=device)  # pool index, -1 = root
     f_slot = torch.full((1,), -1, dtype=torch.long, device=device)  # drafter draft slot, -1 = root
     ancestry = torch.zeros(0, 0, dtype=torch.bool, device=device)
-    pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "parents": [], "depths": [], "q": []}
+    pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "parents": [], "depths": [], "q": [], "owner": []}
     offset = 0
     for level in range(1, depth + 1):
         if sampled:
             q = logits_to_probs(f_logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
             ids, scores, slots = sample(q, generator), f_scores, torch.zeros(1, dtype=torch.long, device=device)
             pool["q"].append(draft_probs_to_target(q, all_draft_ids, vocab_size))
+        elif sampled_tree:
+            q = logits_to_probs(f_logits, options.temperature, options.top_k, options.top_p)  # (k, Vd)
+            ids, scores, slots = sample_candidates(f_scores, q, width, generator)
+            pool["q"].append(draft_probs_to_target(q, all_draft_ids, vocab_size))
+            pool["owner"].append(f_pool)
         else:
             ids, scores, slots = expand_candidates(f_scores, f_logits, width)
         tokens = all_draft_ids[ids]
@@ -145,7 +151,8 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
         offset += tokens.shape[0]
     cat = {k: torch.cat(v) for k, v in pool.items() if v}
     tree = build_tree(root_token, cat["tokens"], cat["scores"], cat["parents"], cat["depths"],
-                      min(options.total_tokens if not chain else depth, cat["tokens"].shape[0]))
+                      min(options.total_tokens if not chain else depth, cat["tokens"].shape[0]),
+                      *((cat["q"], cat["owner"]) if sampled_tree else ()))
     if sampled:
         tree.draft_probs = torch.cat([torch.zeros_like(cat["q"][:1]), cat["q"]])  # chain keeps every node
     return tree
@@ -164,9 +171,9 @@ def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, optio
     if options.temperature <= 0:
         return verify_greedy(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
     probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
-    if tree.draft_probs is None:  # deterministic drafts (trees): one draw per node on the device
-        return verify_sampled_tree(tree.tokens, tree.parents, ancestors, probs, generator)
-    return verify_sampled_chain(tree.tokens, probs, tree.draft_probs, generator)  # drafts sampled: chains only
+    if tree.draft_probs is not None:  # a chain of sampled drafts
+        return verify_sampled_chain(tree.tokens, probs, tree.draft_probs, generator)
+    return verify_sampled_tree(tree.tokens, tree.parents, ancestors, probs, generator, tree.child_probs, options.tree_top_k)
 
 
 class _Output:

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from eaglekit.decode.engine import DecodeOptions, DecodeStats, draft_size, grow_tree
-from eaglekit.decode.sampling import PreDrawn, logits_to_probs, rand, sample
-from eaglekit.decode.verify import greedy_path, sampled_chain_path
+from eaglekit.decode.sampling import PreDrawn, logits_to_probs, rand
+from eaglekit.decode.verify import greedy_path, rejection_tree_tokens, sampled_chain_path
 from eaglekit.errors import EaglekitError
 
 
@@ -82,19 +82,22 @@ class FusedStep:
         if target.compile:
             _static_buffers(self.state)
         self._host = [torch.zeros(self.path + 1, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
-        self._draw_shapes = self.draw_shapes(self.options, self.nodes)
+        self._draw_shapes = self.draw_shapes(self.options, self.nodes, net.config.draft_vocab_size)
 
     @staticmethod
-    def draw_shapes(options: DecodeOptions, nodes: int) -> list[tuple[int, ...]]:
+    def draw_shapes(options: DecodeOptions, nodes: int, draft_vocab: int) -> list[tuple[int, ...]]:
         """The uniforms one step of the reference loop draws, in order: a sampled chain draws each draft
         (`sample` of (1, Vd)), then the k acceptance tests and the bonus (`verify.sampled_chain_path`); a
-        sampled tree draws one token per node (`verify.verify_sampled_tree`); greedy draws nothing."""
+        sampled tree draws every expanded node's children (`tree.sample_candidates`: the root, then top_k
+        nodes a level), then per node a test for each child and the bonus (`verify.rejection_tree_tokens`);
+        greedy draws nothing."""
         if options.temperature <= 0:
             return []
         if options.method == "chain":
             k = nodes - 1
             return [(1, 1)] * k + [(k,), (1, 1)]
-        return [(nodes, 1)]
+        k = options.tree_top_k
+        return [(1, draft_vocab)] + [(k, draft_vocab)] * (options.depth - 1) + [(nodes, k), (nodes, 1)]
 
     def _step(self, *draws: torch.Tensor, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
         """One step on the state -> (1 + path,): the path length c, then the step's new tokens (the c - 1
@@ -114,8 +117,10 @@ class FusedStep:
             probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
             accepted, bonus = sampled_chain_path(tree.tokens, probs, tree.draft_probs, source)
             order, count = offsets, accepted + 1
-        else:  # greedy, or a sampled tree: one draw per node walked like greedy (verify_sampled_tree)
-            target_ids = (sample(logits_to_probs(logits, options.temperature, options.top_k, options.top_p), source)
+        else:  # greedy, or a sampled tree: each node's emitted token, walked like greedy (verify_sampled_tree)
+            target_ids = (rejection_tree_tokens(tree.tokens, tree.parents,
+                                                logits_to_probs(logits, options.temperature, options.top_k, options.top_p),
+                                                tree.child_probs, options.tree_top_k, source)
                           if options.temperature > 0 else logits.argmax(-1))
             on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids)
             count = on_path.sum()  # () nodes on the accepted path, root included

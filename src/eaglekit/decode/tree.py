@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglekit.decode.sampling import PreDrawn, rand
+
 
 @dataclass
 class DraftTree:
@@ -23,6 +25,7 @@ class DraftTree:
     parents: torch.Tensor  # (N,) long, -1 for the root
     depths: torch.Tensor  # (N,) long
     draft_probs: torch.Tensor | None = None  # (N, V) distribution node i was drawn from (sampled chains); None = deterministic
+    child_probs: torch.Tensor | None = None  # (N, V) distribution node i's children were drawn from (sampled trees)
 
     @property
     def size(self) -> int:
@@ -76,6 +79,27 @@ def expand_candidates(
     return ids.reshape(-1), scores.reshape(-1), slots.reshape(-1)
 
 
+def sample_candidates(
+    frontier_scores: torch.Tensor,  # (k,) cumulative log-prob of the nodes being expanded
+    child_probs: torch.Tensor,  # (k, Vd) drafter distribution of each node's next token
+    top_k: int,
+    generator: torch.Generator | PreDrawn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`top_k` children of every frontier node drawn WITHOUT replacement from its distribution, in draw
+    order -> as `expand_candidates`. Gumbel top-k: the k largest log q(x) - log(-log u(x)) are k draws
+    without replacement, largest first. A child's score is its parent's plus the j-th largest log q among
+    its node's draws, so scores fall in draw order and `select_nodes` keeps a prefix of every node's draws,
+    which is what the verification's sibling order needs (`verify.rejection_tree_tokens`). Rows whose q
+    has fewer than top_k tokens get fillers with q = 0, score -inf: never accepted."""
+    log_q = child_probs.float().log()  # -inf outside q's support
+    u = rand(tuple(child_probs.shape), generator, child_probs.device).clamp(min=torch.finfo(torch.float32).tiny)
+    _, ids = top_k_rows(log_q - torch.log(-torch.log(u)), top_k)  # (k, top_k) in draw order
+    ranked = torch.sort(log_q.gather(1, ids), dim=-1, descending=True).values
+    scores = frontier_scores[:, None] + ranked
+    slots = torch.arange(frontier_scores.shape[0], device=ids.device)[:, None].expand_as(ids)
+    return ids.reshape(-1), scores.reshape(-1), slots.reshape(-1)
+
+
 def next_frontier(candidate_scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """Indices of the `top_k` best candidates (by cumulative log-prob) to expand at the next depth."""
     k = min(top_k, candidate_scores.shape[0])
@@ -100,18 +124,28 @@ def build_tree(
     pool_parents: torch.Tensor,  # (P,) pool index of the parent, -1 for children of the root
     pool_depths: torch.Tensor,  # (P,) 1 for children of the root
     total_tokens: int,
+    child_probs: torch.Tensor | None = None,  # (R, V) sampled trees: the distribution a node's children came from
+    child_owner: torch.Tensor | None = None,  # (R,) pool index of that node, -1 for the root
 ) -> DraftTree:
-    """Keep the best `total_tokens` pool nodes and re-index them as a flat tree rooted at node 0."""
+    """Keep the best `total_tokens` pool nodes and re-index them as a flat tree rooted at node 0 (with the
+    kept nodes' `child_probs` rows, zeros for nodes whose children were not drawn)."""
     keep = select_nodes(pool_scores, total_tokens)  # (N-1,) ascending pool indices
     new_index = torch.full((pool_tokens.shape[0] + 1,), -1, dtype=torch.long, device=keep.device)
     new_index[keep] = torch.arange(1, keep.shape[0] + 1, device=keep.device)
     kept_parents = pool_parents[keep]
     parents = torch.where(kept_parents < 0, torch.zeros_like(kept_parents), new_index[kept_parents.clamp(min=0)])
     minus_one = torch.full((1,), -1, dtype=torch.long, device=keep.device)
+    rows = None
+    if child_probs is not None:
+        n = keep.shape[0] + 1
+        node = torch.where(child_owner < 0, torch.zeros_like(child_owner), new_index[child_owner.clamp(min=0)])
+        rows = child_probs.new_zeros(n + 1, child_probs.shape[-1])  # row n takes the rows of pruned nodes
+        rows = rows.index_copy(0, torch.where(node < 0, torch.full_like(node, n), node), child_probs)[:n]
     return DraftTree(
         tokens=torch.cat([root_token.reshape(1), pool_tokens[keep]]),
         parents=torch.cat([minus_one, parents]),
         depths=torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), pool_depths[keep]]),
+        child_probs=rows,
     )
 
 

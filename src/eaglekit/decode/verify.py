@@ -13,7 +13,9 @@ node c (child of p) is correct when it matches what the target produces after p.
   For one candidate per node this is the speculative-sampling rule of Leviathan et al. / Chen et al.;
   for several it is SpecInfer's multi-draft rule. Either way the output follows the target exactly.
   For one-hot drafts the rule equals "draw x ~ p at every node, follow the child whose token is x"
-  (`verify_sampled_tree`), which the decoder runs for trees: all draws at once, one host sync. For a
+  (`verify_sampled_tree`). At temperature > 0 the decoder draws a tree's children without replacement
+  from the drafter's distribution and runs the rule for every node at once (`rejection_tree_tokens`),
+  then follows the emitted tokens down the tree: one host sync. For a
   chain of sampled drafts the decoder runs `verify_sampled_chain`, the same rule for all positions at
   once. `verify_sampling` (the rule as written, on the host) is the reference the tests compare with.
 """
@@ -73,21 +75,82 @@ def verify_greedy(
                    path_tensor=order[: len(path)], bonus_tensor=bonus)
 
 
+def child_table(parents: torch.Tensor, width: int) -> torch.Tensor:
+    """(N,) parents -> (N, width): node index of each node's j-th child in node order, -1 where none."""
+    n = parents.shape[0]
+    siblings_before = ((parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)).sum(1)
+    slot = torch.where((parents >= 0) & (siblings_before < width), parents * width + siblings_before, n * width)  # n * width: unused
+    table = torch.full((n * width + 1,), -1, dtype=torch.long, device=parents.device)
+    return table.scatter(0, slot, torch.arange(n, device=parents.device))[:-1].view(n, width)
+
+
+def rejection_tree_tokens(
+    tokens: torch.Tensor,  # (N,) node tokens, root first; each node's children in the order they were drawn
+    parents: torch.Tensor,  # (N,)
+    target_probs: torch.Tensor,  # (N, V) processed target distribution after each node
+    child_probs: torch.Tensor,  # (N, V) the distribution each node's children were drawn from (zeros for leaves)
+    width: int,  # most children of a node
+    generator: torch.Generator | PreDrawn | None = None,
+) -> torch.Tensor:
+    """The token the target emits after every node, for children drawn WITHOUT replacement from q (all nodes
+    at once, on the device) -> (N,).
+
+    Recursive rejection sampling over the children in draw order: child x is accepted with
+    min(1, p(x) / q(x)); on rejection p becomes norm(max(0, p - q)) and q loses x (renormalised), the
+    distribution the next child was drawn from. With no child accepted, the token is drawn from the last
+    residual. Each step emits p's token exactly, whatever proposal it tried (the induction of Jeon et al.,
+    "Recursive Speculative Decoding", 2024), so following the child whose token was emitted, as for greedy
+    trees, is lossless. Against one-hot top-k children it keeps the drafter's spread: with a diffuse
+    target (temperature 1) the top-k tokens may hold little of p where q's draws overlap p widely."""
+    n = tokens.shape[0]
+    tiny = torch.finfo(torch.float32).tiny
+    p = target_probs.float()
+    p = p / p.sum(-1, keepdim=True)
+    q = child_probs.float()
+    q = q / q.sum(-1, keepdim=True).clamp(min=tiny)
+    children = child_table(parents, width)
+    uniforms = rand((n, width), generator, p.device)
+    emitted = torch.full((n,), -1, dtype=torch.long, device=p.device)
+    done = torch.zeros(n, dtype=torch.bool, device=p.device)
+    for j in range(width):
+        child = children[:, j]
+        x = tokens[child.clamp(min=0)][:, None]  # (N, 1)
+        qx, px = q.gather(1, x)[:, 0], p.gather(1, x)[:, 0]
+        tried = (child >= 0) & ~done & (qx > 0)  # q(x) = 0: a filler past q's support, never drawn
+        accepted = tried & (uniforms[:, j] * qx < px)
+        emitted = torch.where(accepted, x[:, 0], emitted)
+        done = done | accepted
+        rejected = (tried & ~accepted)[:, None]
+        residual = (p - q).clamp(min=0.0)
+        mass = residual.sum(-1, keepdim=True)
+        p = torch.where(rejected & (mass > 0), residual / mass.clamp(min=tiny), p)  # p == q up to rounding: keep p
+        q = torch.where(rejected, q.scatter(1, x, 0.0), q)
+        q = q / q.sum(-1, keepdim=True).clamp(min=tiny)
+    return torch.where(done, emitted, sample(p, generator))
+
+
 def verify_sampled_tree(
-    tokens: torch.Tensor,  # (N,) node tokens, root first; siblings distinct (top-k children)
+    tokens: torch.Tensor,  # (N,) node tokens, root first; siblings distinct
     parents: torch.Tensor,  # (N,)
     ancestors: torch.Tensor,  # (N, N) bool ancestors-or-self
     target_probs: torch.Tensor,  # (N, V) processed target distribution after each node
     generator: torch.Generator | None = None,
+    child_probs: torch.Tensor | None = None,  # (N, V) sampled children: the distribution they were drawn from
+    width: int = 0,  # sampled children: most children of a node
 ) -> Verdict:
-    """Sampling verification of a tree of deterministic drafts (EAGLE-2 top-k trees), on the device.
+    """Sampling verification of a tree on the device, with one host sync.
 
-    With one-hot drafts the recursive rule at a node (accept child c with p'(c), else remove c from p and
-    renormalise) accepts child c with probability exactly p(c) and otherwise emits x with p(x): the same as
-    drawing x ~ p once and following the child whose token is x, x being the bonus when no child has it. So
-    one draw per node, all at once, and the greedy walk over the draws give the same output distribution
-    as `verify_sampling`, with one host sync instead of one per child tried."""
-    return verify_greedy(tokens, parents, ancestors, sample(target_probs, generator))
+    Deterministic drafts (child_probs None, e.g. top-k children): the recursive rule at a node (accept
+    child c with p'(c), else remove c from p and renormalise) accepts child c with probability exactly
+    p(c) and otherwise emits x with p(x): the same as drawing x ~ p once and following the child whose
+    token is x, x being the bonus when no child has it. So one draw per node, all at once, and the greedy
+    walk over the draws give the same output distribution as `verify_sampling`. Children drawn without
+    replacement from child_probs: `rejection_tree_tokens` gives each node's emitted token, walked the same way."""
+    if child_probs is None:
+        emitted = sample(target_probs, generator)
+    else:
+        emitted = rejection_tree_tokens(tokens, parents, target_probs, child_probs, width, generator)
+    return verify_greedy(tokens, parents, ancestors, emitted)
 
 
 def sampled_chain_path(
