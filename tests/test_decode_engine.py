@@ -184,7 +184,8 @@ def test_fused_step_lowers_through_inductor(monkeypatch):
     drafter = random_drafter(target)
     decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
     for options in (dict(method="tree", depth=3, tree_top_k=3, total_tokens=8),
-                    dict(method="chain", chain_length=3, temperature=1.0, seed=3)):  # greedy tree; p/q rule with drawn uniforms
+                    dict(method="chain", chain_length=3, temperature=1.0, seed=3),  # greedy tree; p/q rule with drawn uniforms
+                    dict(method="tree", depth=3, tree_top_k=3, total_tokens=8, temperature=1.0, seed=3)):  # sampled children
         fast, code = run_and_get_code(lambda: decoder.generate(PROMPT, NEW, **options))
         eager = generate(target, drafter, PROMPT, NEW, backend="eager", **options)
         assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted), options
