@@ -122,15 +122,14 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
     pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "parents": [], "depths": [], "q": [], "owner": []}
     offset = 0
     for level in range(1, depth + 1):
-        if sampled:
-            q = logits_to_probs(f_logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
-            ids, scores, slots = sample(q, generator), f_scores, torch.zeros(1, dtype=torch.long, device=device)
+        if sampled or sampled_tree:
+            q = logits_to_probs(f_logits, options.temperature, options.top_k, options.top_p)  # (frontier, Vd)
+            if sampled:
+                ids, scores, slots = sample(q, generator), f_scores, torch.zeros(1, dtype=torch.long, device=device)
+            else:
+                ids, scores, slots = sample_candidates(f_scores, q, width, generator)
+                pool["owner"].append(f_pool)
             pool["q"].append(draft_probs_to_target(q, all_draft_ids, vocab_size))
-        elif sampled_tree:
-            q = logits_to_probs(f_logits, options.temperature, options.top_k, options.top_p)  # (k, Vd)
-            ids, scores, slots = sample_candidates(f_scores, q, width, generator)
-            pool["q"].append(draft_probs_to_target(q, all_draft_ids, vocab_size))
-            pool["owner"].append(f_pool)
         else:
             ids, scores, slots = expand_candidates(f_scores, f_logits, width)
         tokens = all_draft_ids[ids]
