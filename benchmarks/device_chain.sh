@@ -7,12 +7,13 @@
 #   bash benchmarks/device_chain.sh wait     # every next command, until the log says CHAIN DONE
 #
 # The chain: tests/test_decode_gpu.py (beside the target build) -> run_all target -> pipeline, bench,
-# summary -> run_all extract_speed_reference (shards in RAM), profile, summary -> where .whl/ holds speculators'
-# wheels (benchmarks/peer_speculators.py lists them; name .whl in the device call's carry), run_all peer. Each
+# summary -> where .whl/ holds speculators' wheels (benchmarks/peer_speculators.py lists them; name .whl in
+# the device call's carry), run_all peer -> run_all extract_speed_reference (shards in RAM), profile, summary. Each
 # command returns $OUT/chain.tgz (runs/chain: run_all's figures, logs, the run's reports and bench), re-packed
 # every 60 s, so a command cut off by the device budget still brings back what was done.
 # Environment: RUN_ALL_FLAGS (e.g. "--bench-methods plain,chain,tree" to leave out the slow HF peers;
-# with --no-draft-lm for the target part too), WAIT_S (default 560 s per command).
+# with --no-draft-lm for the target part too), CHAIN_SPEED=0 (leave out extract_speed_reference and
+# profile), WAIT_S (default 560 s per command).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src"
@@ -33,9 +34,6 @@ chain() {
     log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     python3 benchmarks/run_all.py --parts pipeline,bench,summary $FLAGS --work "$WORK" --out "$RESULTS" > "$RESULTS/bench.log" 2>&1
     log "pipeline, bench rc=$?"
-    python3 benchmarks/run_all.py --parts extract_speed_reference,profile,summary $FLAGS --work "$WORK" --out "$RESULTS" \
-        > "$RESULTS/extract_profile.log" 2>&1
-    log "extract_speed_reference, profile rc=$?"
     if [ -d .whl ]; then  # the peer's libraries go to a folder only the peer's process sees
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
             > "$RESULTS/peer.log" 2>&1
@@ -43,6 +41,11 @@ chain() {
         EAGLEKIT_PEER_SITE=/tmp/site python3 benchmarks/run_all.py --parts peer,summary $FLAGS --work "$WORK" \
             --out "$RESULTS" >> "$RESULTS/peer.log" 2>&1
         log "peer rc=$?"
+    fi
+    if [ "${CHAIN_SPEED:-1}" = 1 ]; then
+        python3 benchmarks/run_all.py --parts extract_speed_reference,profile,summary $FLAGS --work "$WORK" --out "$RESULTS" \
+            > "$RESULTS/extract_profile.log" 2>&1
+        log "extract_speed_reference, profile rc=$?"
     fi
     log "CHAIN DONE"
 }

@@ -197,7 +197,7 @@ def run_peer(work: Path, out: Path, smoke: bool) -> None:
     if env.get("EAGLEKIT_PEER_SITE"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env["EAGLEKIT_PEER_SITE"], env.get("PYTHONPATH", "")) if p)
     _script("peer_speculators.py", "--run", str(work / "run"), "--device", device, "--bench", "--peer-python", sys.executable,
-            "--out", str(out / "peer_speculators.json"), env=env)
+            "--out", str(out / "peer_speculators.json"), env=env, timeout=1500)
 
 
 def run_profile(work: Path, out: Path, smoke: bool) -> None:
@@ -222,9 +222,9 @@ def run_decode_speed(out: Path, smoke: bool, shape: str = "reference") -> None:
         _script("decode_speed.py", "--shape", "8b", "--methods", "tree", "--output", str(out / "decode_speed_8b.json"))
 
 
-def _script(name: str, *args: str, env: dict[str, str] | None = None) -> None:
+def _script(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 560) -> None:
     log(f"running {name} {' '.join(args)}")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=560, env=env)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=timeout, env=env)
 
 
 def summarise(work: Path, out: Path) -> dict:
