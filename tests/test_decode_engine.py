@@ -136,8 +136,9 @@ def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     from eaglekit.decode import static
 
     torch._dynamo.reset()
-    counter = CompileCounter()
+    counter, prefills = CompileCounter(), CompileCounter()
     monkeypatch.setattr(static, "COMPILE_OPTIONS", {"backend": counter, "fullgraph": True, "dynamic": False})
+    monkeypatch.setattr(static, "PREFILL_OPTIONS", {"backend": prefills, "fullgraph": True, "dynamic": None})
     target = tiny_target("llama")
     drafter = random_drafter(target)
     reference = hf_greedy(target, NEW)
@@ -147,8 +148,10 @@ def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     assert decoder.generate(PROMPT, NEW, **tree).tokens == reference
     graphs = counter.frame_count
     assert graphs == 1  # greedy: the whole step (draft, verify, verification, KV compaction, extend) is one graph
+    assert prefills.frame_count == 2  # the target's prefill and the drafter's
     assert decoder.generate(PROMPT[:4], 2 * NEW, **tree).tokens == generate(target, drafter, PROMPT[:4], 2 * NEW, **tree).tokens
     assert counter.frame_count == graphs  # positions and cache lengths are graph inputs, not constants
+    assert prefills.frame_count == 2  # another prompt length: the prefills' length is symbolic
     for kwargs in (dict(method="chain", chain_length=3), dict(tree, temperature=1.0, seed=3), dict(method="chain", temperature=1.0, seed=3)):
         fast = decoder.generate(PROMPT, NEW, **kwargs)
         assert fast.tokens == generate(target, drafter, PROMPT, NEW, **kwargs).tokens, kwargs
@@ -262,6 +265,7 @@ def test_speculative_steps_make_no_host_transfers(backend, compiled, monkeypatch
     # compile=True takes the graph path (the fused step); here it runs uncompiled, since dynamo does not
     # trace under a dispatch mode
     monkeypatch.setattr(static, "_compiled", lambda fn, enabled: fn)
+    monkeypatch.setattr(static, "_prefill_compiled", lambda fn, enabled: fn)
     target = tiny_target("llama")
     decoder = Decoder(target, random_drafter(target), backend=backend, compile=compiled, max_length=128)
     for method, temperature in (("tree", 0.0), ("chain", 0.0), ("tree", 1.0), ("chain", 1.0)):

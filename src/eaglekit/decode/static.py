@@ -7,7 +7,8 @@ norms, MLP, embedding, lm_head), so no weights are copied and Llama, Mistral, Qw
 Qwen3 (q/k norm) all run through it; anything else (MoE, MLA, sliding windows) uses the eager
 backend. With `compile=True` the fixed-shape work runs under `torch.compile(mode="reduce-overhead")`
 (CUDA graphs on GPU): the target's plain step, and every speculative step as one graph (`fused.py`:
-draft, verify, verification, KV compaction and the drafter's extend). Only the two prefills run eagerly.
+draft, verify, verification, KV compaction and the drafter's extend). The two prefills (a new length for
+every prompt) are compiled once each with a symbolic length, without CUDA graphs.
 Tests compare every output with the eager reference.
 """
 
@@ -28,17 +29,18 @@ _NEEDED = ("q_proj", "k_proj", "v_proj", "o_proj")
 STATIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+              fixed_shape: bool = True):
     """SDPA of q (1, nh, T, D) over a whole static cache k, v (1, nkv, S, D) under a bool mask.
 
-    A compiled step has one shape and keeps PyTorch's kernel choice. An eager call on a GPU (the
-    prefills: one new shape per prompt length) avoids cuDNN attention, which builds an execution plan
-    for every new shape: measured on an H200, 50-90 ms the first time a prompt length is seen (about
-    1 s for the very first), against a 16-30 ms prefill of the reference target
-    (`benchmarks/results/2026-12-03-h200-s6-probe.json`). K/V heads are repeated for grouped-query
-    attention there, for the memory-efficient kernel's sake (with `enable_gqa` the probe measured the
-    math kernel's speed)."""
-    if torch.compiler.is_compiling() or not q.is_cuda:
+    A step compiled for one shape keeps PyTorch's kernel choice. Any other call on a GPU (eager, or the
+    prefill compiled for a symbolic length: one new shape per prompt length) avoids cuDNN attention,
+    which builds an execution plan for every new shape: measured on an H200, 50-90 ms the first time a
+    prompt length is seen (about 1 s for the very first), against a 16-30 ms eager prefill of the
+    reference target (`benchmarks/results/2026-12-03-h200-s6-probe.json`). K/V heads are repeated for
+    grouped-query attention there, for the memory-efficient kernel's sake (with `enable_gqa` the probe
+    measured the math kernel's speed)."""
+    if not q.is_cuda or (fixed_shape and torch.compiler.is_compiling()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return attention_without_cudnn(q, k, v, mask, scale)
 
@@ -112,7 +114,7 @@ class StaticLlama(nn.Module):
             for cache in self.caches(i):
                 _compact(cache, 2, base, nodes)
 
-    def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask) -> torch.Tensor:
+    def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask, fixed_shape: bool) -> torch.Tensor:
         attn = layer.self_attn
         t = x.shape[1]
         q = attn.q_proj(x).view(1, t, self.num_heads, self.head_dim)  # (1, T, nh, D)
@@ -125,7 +127,7 @@ class StaticLlama(nn.Module):
         k_cache.index_copy_(2, slots, k)
         v_cache.index_copy_(2, slots, v)
         scale = getattr(attn, "scaling", self.head_dim ** -0.5)
-        out = attention(q, k_cache, v_cache, mask, scale)  # (1, nh, T, D)
+        out = attention(q, k_cache, v_cache, mask, scale, fixed_shape)  # (1, nh, T, D)
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, self.num_heads * self.head_dim))
 
     def forward(
@@ -136,6 +138,13 @@ class StaticLlama(nn.Module):
         mask: torch.Tensor,  # (1, 1, T, capacity) bool, True = attend
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> logits (T, V), aux states (T, 3H) in `aux_layers` order (None without aux layers)."""
+        return self._forward(ids, positions, slots, mask, fixed_shape=True)
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
+        """`forward` for any number of tokens (compiled once with a symbolic length; no cuDNN attention)."""
+        return self._forward(ids, positions, slots, mask, fixed_shape=False)
+
+    def _forward(self, ids, positions, slots, mask, fixed_shape: bool):
         x = self.embed(ids[None])  # (1, T, H)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # (1, T, D)
         states = {}
@@ -143,7 +152,7 @@ class StaticLlama(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 states[i] = x
-            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, slots, mask)
+            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, slots, mask, fixed_shape)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if len(self.layers) in wanted:
             states[len(self.layers)] = x
@@ -154,10 +163,30 @@ class StaticLlama(nn.Module):
 
 # how fixed-shape steps are compiled (tests swap in backend="aot_eager" to trace the same graphs on a CPU)
 COMPILE_OPTIONS = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
+# how the prefills are compiled: one graph for every prompt length (the token dimension is symbolic), no
+# CUDA graphs (a graph per length would be recorded, and kept, for every new prompt length)
+PREFILL_OPTIONS = {"fullgraph": True, "dynamic": None}
 
 
 def _compiled(fn, enabled: bool):
     return torch.compile(fn, **COMPILE_OPTIONS) if enabled else fn
+
+
+def _prefill_compiled(fn, enabled: bool):
+    """`fn(*tensors)` compiled once for any length of the tensors' token dimension (dim 0; a (1, 1, T, S)
+    mask: dim 2); one-token calls and `enabled=False` run `fn` as it is."""
+    if not enabled:
+        return fn
+    compiled = torch.compile(fn, **PREFILL_OPTIONS)
+
+    def call(*tensors: torch.Tensor):
+        if tensors[0].shape[0] < 2:  # a length of 1 would be specialised: a second graph for a rare case
+            return fn(*tensors)
+        for x in tensors:
+            torch._dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 0)
+        return compiled(*tensors)
+
+    return call
 
 
 def _static_buffers(module: nn.Module) -> None:
@@ -190,6 +219,7 @@ class StaticTarget:
         self.capacity, self.length, self.last_length = capacity, 0, 0
         self.compile = compile
         self.step = _compiled(self.net, compile)
+        self.prefill = _prefill_compiled(self.net.prefill, compile)
         self._columns = torch.arange(capacity, device=self.device)
         if compile:
             _static_buffers(self.net)
@@ -205,9 +235,10 @@ class StaticTarget:
         full = (self._columns < self.length).expand(t, -1).clone()  # the cached prefix, then the new tokens' mask
         full[:, self.length : self.length + t] = mask
         slots = torch.arange(self.length, self.length + t, device=self.device)
-        use_compiled = self.compile and self.length > 0  # prefill (one variable shape) runs eagerly
-        fn = self.step if use_compiled else self.net
-        logits, aux = _call(fn, use_compiled, ids, positions, slots, full[None, None])
+        if self.length == 0:  # the prefill: a new length for every prompt
+            logits, aux = self.prefill(ids, positions, slots, full[None, None])
+        else:
+            logits, aux = _call(self.step if self.compile else self.net, self.compile, ids, positions, slots, full[None, None])
         self.length += t
         self.last_length = t
         return logits, aux
@@ -248,6 +279,7 @@ class _StaticDraftNet(nn.Module):
         positions: torch.Tensor,  # (T,)
         slots: torch.Tensor,  # (T,)
         mask: torch.Tensor,  # (1, 1, T, capacity + draft_slots) bool
+        fixed_shape: bool = True,  # False: compiled for a symbolic T (see `attention`)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Same math as `DraftDecoderLayer.forward` -> (hidden_out (T, H), draft logits (T, Vd))."""
         mid, t = self.drafter.midlayer, ids.shape[0]
@@ -264,7 +296,7 @@ class _StaticDraftNet(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, self.cos[positions][None], self.sin[positions][None])
         self.k_cache.index_copy_(2, slots, k)
         self.v_cache.index_copy_(2, slots, v)
-        out = attention(q, self.k_cache, self.v_cache, mask)  # (1, nh, T, D)
+        out = attention(q, self.k_cache, self.v_cache, mask, fixed_shape=fixed_shape)  # (1, nh, T, D)
         h = residual + mid.self_attn.o_proj(out.transpose(1, 2).reshape(1, t, nq))
         gate, up = F.linear(mid.post_attention_layernorm(h), self.gate_up_weight).chunk(2, dim=-1)
         h = h + mid.mlp.down_proj(mid.mlp.act_fn(gate) * up)
@@ -285,6 +317,7 @@ class StaticDrafter:
         self.stable_length = 0
         self._columns = torch.arange(self.total, device=self.device)  # (capacity + draft_slots,)
         self._fused: dict = {}  # one-function steps (fused.py), by target and options shape
+        self._prefill = _prefill_compiled(self._first_extend, compile)
         if compile:
             _static_buffers(self.net)
 
@@ -292,18 +325,25 @@ class StaticDrafter:
         self.stable_length = 0
 
     def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
-        """The prefill (eager: one variable shape per prompt)."""
+        """Append the accepted positions; the first call after `reset` is the prefill (compiled with
+        `compile=True` for any prompt length)."""
         stable = self.stable_length
         self.stable_length += next_ids.shape[0]
+        if stable == 0:
+            return self._prefill(aux, next_ids, positions)
         return self._extend(aux, next_ids, positions, stable)
 
-    def _extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, stable: int | torch.Tensor):
+    def _first_extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
+        return self._extend(aux, next_ids, positions, 0, fixed_shape=False)
+
+    def _extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, stable: int | torch.Tensor,
+                fixed_shape: bool = True):
         """Append T feature positions after the first `stable`: row r sees columns <= stable + r."""
         t = next_ids.shape[0]
         feature = self.net.drafter.fuse(aux.to(self.net.cos.dtype))  # (T, H)
         offsets = torch.arange(t, device=self.device)
         mask = self._columns[None] <= stable + offsets[:, None]  # (T, capacity + draft_slots)
-        return self.net(feature, next_ids, positions, stable + offsets, mask[None, None])
+        return self.net(feature, next_ids, positions, stable + offsets, mask[None, None], fixed_shape)
 
     def step_inputs(self, ids: torch.Tensor, visible: torch.Tensor, stable: int | torch.Tensor):
         """Cache slots and the (1, 1, k, capacity + draft_slots) mask of a draft step of k nodes that see
