@@ -148,3 +148,21 @@ def test_bad_inputs_are_refused(chat_target, data_file, tmp_path):
         train(options(chat_target, data_file, tmp_path / "nan", save_every=1), step_callback=diverge)
     good = load_file(str(tmp_path / "nan/checkpoints/step-00000001/model.safetensors"))
     assert all(bool(torch.isfinite(t).all()) for t in good.values() if t.is_floating_point())
+
+
+def test_lm_head_starts_from_the_targets_rows_and_can_stay_frozen(chat_target, data_file, tmp_path):
+    from eaglekit.target.loading import load_target
+
+    head = load_target(chat_target, "cpu", torch.float32).get_output_embeddings().weight.detach()
+    for freeze in (False, True):
+        out = tmp_path / f"freeze-{freeze}"
+        stage.run(options(chat_target, data_file, out, freeze_lm_head=freeze))
+        drafter = Eagle3Drafter.from_pretrained(out)
+        rows = head[drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))]
+        # frozen: exactly the target's rows of the draft vocabulary; trained: moved away from them, not far
+        assert torch.equal(drafter.lm_head.weight, rows) == freeze
+        assert (drafter.lm_head.weight - rows).norm() < 0.5 * rows.norm()
+    stage.run(options(chat_target, data_file, tmp_path / "random", lm_head_init="random"))
+    drafter = Eagle3Drafter.from_pretrained(tmp_path / "random")
+    rows = head[drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))]
+    assert (drafter.lm_head.weight - rows).norm() > 0.5 * rows.norm()

@@ -271,6 +271,15 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
 
+    def load_target_lm_head(self, weight: torch.Tensor) -> None:
+        """Set `lm_head` to the target's lm_head (V, H) rows of the draft vocabulary (`set_vocab_mapping` first)."""
+        if tuple(weight.shape) != (self.config.vocab_size, self.lm_head.weight.shape[1]):
+            raise EaglekitError(f"target lm_head has shape {tuple(weight.shape)}, drafter expects "
+                                f"({self.config.vocab_size}, {self.lm_head.weight.shape[1]}): the drafter was made for another target")
+        used_ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight[used_ids.to(weight.device)].to(self.lm_head.weight))
+
     def save_pretrained(self, directory: str | Path, include_embedding: bool = True) -> Path:
         """Write `config.json` + `model.safetensors` (eaglekit format), atomically."""
         from eaglekit.manifest import atomic_path, atomic_write_json

@@ -28,6 +28,9 @@ class Config:
     draft_vocab_size: int = option(32000, "draft vocabulary size when it is built here")
     init_from: str = option("", "start from a drafter (eaglekit format; EAGLE/SGLang/vLLM/speculators via eaglekit.interop)")
     rebuild_vocab: bool = option(False, "with init_from and a different vocab: remap lm_head rows to it instead of refusing")
+    lm_head_init: str = option("target", "a fresh drafter's lm_head: target = the target's lm_head rows of the draft vocabulary "
+                               "(the logits the drafter learns to match), random", choices=("target", "random"))
+    freeze_lm_head: bool = option(False, "keep lm_head fixed while training (speculators' choice; with lm_head_init=target)")
     aux_layers: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids; empty = (2, L//2, L-3) or init_from's")
     ttt_steps: int = option(7, "training-time-test steps K")
     step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k")
