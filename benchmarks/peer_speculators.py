@@ -4,6 +4,7 @@
         --out benchmarks/results/peer_speculators_tiny_cpu.json
     python benchmarks/peer_speculators.py --run runs/demo --device cuda --bench --peer-python python3 --out X.json
     python benchmarks/peer_speculators.py --run runs/demo --steps 200 --out X.json    # another step count
+    python benchmarks/peer_speculators.py --run runs/demo --no-peer --variants lm_head_init=random freeze_lm_head=true --out X.json
 
 RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eaglekit's drafter). The script
 
@@ -23,6 +24,8 @@ RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eagl
 4. imports the final checkpoint with eaglekit's own import code (`eaglekit.interop.convert.import_checkpoint`),
    evaluates both drafters with `Trainer.validate` (accuracy per TTT position, estimated tau) and, with --bench,
    decodes the run's bench prompts with both (`eaglekit.stages.bench`, chain and tree, temperature 0);
+   With --variants, eaglekit's drafter is trained again with some train options changed (one drafter per
+   variant, e.g. speculators' settings on eaglekit's trainer) and evaluated the same way;
 5. writes JSON: both drafters side by side, commands, steps actually performed, wall times, versions, and the
    settings speculators does not let us match (`differences`).
 
@@ -371,6 +374,29 @@ def import_peer(checkpoint: str, output: Path, trainer: Any) -> Any:
     return drafter
 
 
+def variant_options(spec: str) -> list[str]:
+    """'a=1,b=[0.9,0.999]' -> ['a=1', 'b=[0.9,0.999]'] (commas inside [...] belong to a value)."""
+    return [kv for kv in re.split(r",(?![^\[]*\])", spec) if kv]
+
+
+def train_variant(run: Path, spec: str, output: Path, trainer: Any, device: str) -> dict[str, Any]:
+    """eaglekit's drafter trained again from RUN_DIR's train config with `spec` ('key=value,...') changed, on `device`,
+    then evaluated like the others."""
+    from eaglekit.config import load_config, parse_overrides
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.stages import train as train_stage
+
+    options = variant_options(spec)
+    fixed = {"shards": str(run / "extract"), "vocab": str(run / "vocab" / "vocab.safetensors"), "output": str(output),
+             "resume": False, "device": device, "init_from": ""}
+    config = load_config(train_stage.Config, run / "train" / "config.yaml", {**fixed, **parse_overrides(options)})
+    shutil.rmtree(output, ignore_errors=True)
+    started = time.perf_counter()
+    result = train_stage.run(config)
+    return {"options": spec, "drafter": str(output), "steps": result.get("steps"), "wall_s": time.perf_counter() - started,
+            "manifest_val": result.get("val"), "val": evaluate(trainer, Eagle3Drafter.from_pretrained(output))}
+
+
 def evaluate(trainer: Any, drafter: Any) -> dict[str, Any]:
     """eaglekit's own validation (`Trainer.validate`) with `drafter`'s weights."""
     state = {k: v for k, v in drafter.state_dict().items() if k in trainer.drafter.state_dict()}
@@ -454,6 +480,10 @@ def parse(argv: list[str] | None) -> Any:
                              "(2026-12-03: 'ListVariable(length=21) is already tracked for mutation' at speculators/losses/fused.py:343); "
                              "eager computes the same KL loss in plain torch")
     parser.add_argument("--peer-workers", type=int, default=-1, help="speculators --num-workers (-1: 0 on cpu, 4 on cuda)")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="KEY=VALUE,...",
+                        help="also train eaglekit drafters with these train options changed (e.g. 'lm_head_init=random' or "
+                             "'freeze_lm_head=true,betas=[0.9,0.999],grad_clip=1.0'), evaluated and benched like the other two")
+    parser.add_argument("--no-peer", action="store_true", help="only eaglekit's drafter and --variants (no speculators needed)")
     args = parser.parse_args(argv)
     if args.peer_workers < 0:
         args.peer_workers = 4 if args.device.startswith("cuda") else 0
@@ -499,7 +529,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 "warmup_steps", "min_lr_ratio", "grad_clip", "batch_size", "grad_accum", "max_length", "epochs",
                                 "max_steps", "seed", "device", "dtype", "attention")}, "peer": settings},
                       differences=differences(args, trainer, settings, eaglekit_tps, plan, label))
-        peer = train_peer(cmd, work / "peer" / "checkpoints", args.device)
+        peer = {"error": {"exception": "not run (--no-peer)"}} if args.no_peer else train_peer(cmd, work / "peer" / "checkpoints", args.device)
         peer.update(planned_steps=args.steps, planned_epochs=plan["epochs"], tokens_per_step=plan["tokens_per_step"])
         ours = Eagle3Drafter.from_pretrained(run / "train")
         report["eaglekit"] = {"drafter": str(run / "train"), "steps": args.eaglekit_steps, "epochs": manifest.get("epochs"),
@@ -512,14 +542,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             peer.update(drafter=str(work / "peer_eaglekit"), val=evaluate(trainer, imported))
             if peer.get("steps") != args.steps:
                 report["differences"].append(f"steps: speculators performed {peer.get('steps')} optimizer steps, {args.steps} were asked")
+        report["variants"] = [train_variant(run, spec, work / f"variant-{i}", trainer, args.device) for i, spec in enumerate(args.variants)]
         if args.bench:
             report["eaglekit"]["bench"] = bench(run, run / "train", work / "bench_eaglekit", args.device)
             if "error" not in peer:
                 peer["bench"] = bench(run, work / "peer_eaglekit", work / "bench_peer", args.device)
-    report["status"] = "peer_failed" if "error" in report["peer"] else "ok"
+            for i, variant in enumerate(report["variants"]):
+                variant["bench"] = bench(run, Path(variant["drafter"]), work / f"bench_variant-{i}", args.device)
+    report["status"] = "not_run" if args.no_peer else "peer_failed" if "error" in report["peer"] else "ok"
     atomic_write_json(out_path, report)
     print_summary(report, out_path)
-    if "error" in report["peer"]:
+    if "error" in report["peer"] and not args.no_peer:
         e = report["peer"]["error"]
         raise SystemExit(f"speculators' trainer failed ({e.get('where', '?')}: {e['exception']}); eaglekit's figures and the "
                          f"converted data are in {out_path} and {work}; full log: {report['peer']['log']}")
@@ -536,6 +569,8 @@ def print_summary(report: dict[str, Any], out_path: Path) -> None:
                 f"wall {side.get('wall_s') or 0:.0f}s" + (f"  bench tau {taus}" if taus else ""))
     print(line("eaglekit", report["eaglekit"]))
     print(line("peer", report["peer"]))
+    for variant in report.get("variants", []):
+        print(line("variant", variant) + f"  ({variant['options']})")
     print(f"wrote {out_path}")
 
 

@@ -188,7 +188,7 @@ def run_extract_speed_reference(work: Path, out: Path, disk: bool = False) -> No
         _script("extract_speed.py", *shape, "--out", str(out / "extract_speed_reference_disk.json"))
 
 
-def run_peer(work: Path, out: Path, smoke: bool) -> None:
+def run_peer(work: Path, out: Path, smoke: bool, variants: list[str]) -> None:
     """The peer trainer on the pipeline's run, both drafters benched. speculators and its needs are found on
     this Python's path, or in the folder EAGLEKIT_PEER_SITE names (put on the path of the peer's process only,
     so its pinned libraries never shadow the pipeline's)."""
@@ -197,7 +197,7 @@ def run_peer(work: Path, out: Path, smoke: bool) -> None:
     if env.get("EAGLEKIT_PEER_SITE"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env["EAGLEKIT_PEER_SITE"], env.get("PYTHONPATH", "")) if p)
     _script("peer_speculators.py", "--run", str(work / "run"), "--device", device, "--bench", "--peer-python", sys.executable,
-            "--out", str(out / "peer_speculators.json"), env=env, timeout=1500)
+            *(["--variants", *variants] if variants else []), "--out", str(out / "peer_speculators.json"), env=env, timeout=1500)
 
 
 def run_profile(work: Path, out: Path, smoke: bool) -> None:
@@ -321,6 +321,8 @@ def main() -> int:
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
     parser.add_argument("--bench-methods", default="", help="bench only these methods (comma list; default: all, HF peers included)")
     parser.add_argument("--no-draft-lm", action="store_true", help="target part: skip the draft LM (only HF assisted generation uses it)")
+    parser.add_argument("--peer-variants", nargs="*", default=[], metavar="KEY=VALUE,...",
+                        help="peer part: also train eaglekit drafters with these train options changed (peer_speculators.py --variants)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else GPU
@@ -334,7 +336,7 @@ def main() -> int:
         "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
         "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export"), args.bench_methods),
         "profile": lambda: run_profile(work, out, args.smoke),
-        "peer": lambda: run_peer(work, out, args.smoke),
+        "peer": lambda: run_peer(work, out, args.smoke, args.peer_variants),
         "decode_speed": lambda: run_decode_speed(out, args.smoke),
         "decode_speed_8b": lambda: run_decode_speed(out, args.smoke, "8b"),
         "train_speed": lambda: run_train_speed(out, args.smoke, args.train_speed_budget),

@@ -40,3 +40,10 @@ def test_cpu_launcher_runs_the_peer_module_with_its_accelerator_index_on_the_cpu
     assert out.stdout.split() == ["['train',", "'--seed',", "'0']", "cpu", "cpu", "torch.float16"]
     shown = peer.shown([sys.executable, "-c", peer.CPU_LAUNCHER, "train"])
     assert shown == [sys.executable, "-c", "<peer_speculators.CPU_LAUNCHER>", "train"]
+
+
+def test_variant_options_keep_lists_whole():
+    peer = load_peer_script()
+    assert peer.variant_options("freeze_lm_head=true,betas=[0.9,0.999],grad_clip=1.0") == [
+        "freeze_lm_head=true", "betas=[0.9,0.999]", "grad_clip=1.0"]
+    assert peer.variant_options("lm_head_init=random") == ["lm_head_init=random"]
