@@ -13,7 +13,8 @@
 # every 60 s, so a command cut off by the device budget still brings back what was done.
 # Environment: RUN_ALL_FLAGS (e.g. "--bench-methods plain,chain,tree" to leave out the slow HF peers;
 # with --no-draft-lm for the target part too), CHAIN_SPEED=0 (leave out extract_speed_reference and
-# profile), WAIT_S (default 560 s per command).
+# profile), WAIT_S (default 560 s per command), EAGLEKIT_COMMIT (the commit the JSON files name: write the
+# hash of the tree you send into the device command, since the machine's copy of .git may be stale).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src"
