@@ -89,7 +89,7 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Draft
     drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts)
     drafter.load_target_embedding(embed.detach().float().cpu())
     if not config.init_from and config.lm_head_init == "target":
-        drafter.load_target_lm_head(head.detach().float().cpu())
+        drafter.load_target_lm_head(head.detach())  # copies only the draft vocabulary's rows
     drafter.lm_head.weight.requires_grad_(not config.freeze_lm_head)
     log.info("draft vocabulary %d ids: %s", drafter.config.draft_vocab_size, vocab_note)
     aux_input = to_input_convention(drafter.config.aux_layer_ids, drafter.config.aux_layer_convention)
