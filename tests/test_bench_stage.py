@@ -67,10 +67,14 @@ def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
             assert "prefill_seconds" not in row
         else:
             assert 0 < row["prefill_seconds"] < row["seconds"] and row["target_forwards"] >= 2  # 2 prompts, each a prefill
+            assert row["decode_tokens_per_second"] == pytest.approx(row["new_tokens"] / (row["seconds"] - row["prefill_seconds"]))
             if row["method"] == "tree":
                 assert row["target_forwards"] <= row["new_tokens"] + 2
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert (out / "manifest.json").is_file() and "| tree | 0 |" in (out / "bench.md").read_text()
+    table = (out / "bench.md").read_text()
+    assert (out / "manifest.json").is_file() and "| tree | 0 |" in table and "| plain | 1 | " in table
+    plain_line = next(line for line in table.splitlines() if line.startswith("| plain | 0 |"))
+    assert plain_line.split("|")[5].strip() == "1.00x"  # speed-up against plain decoding at the same temperature
     assert saved["complete"] is True
 
 

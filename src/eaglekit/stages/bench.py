@@ -135,7 +135,8 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
                            "tokens_per_second": tokens / seconds if seconds else None,
                            "ms_per_token": 1000 * seconds / tokens if tokens else None}
     if not method.startswith("hf"):  # where the time goes: prompts' prefills, and target forwards per new token
-        row.update(prefill_seconds=prefill, target_forwards=forwards)
+        decode = seconds - prefill
+        row.update(prefill_seconds=prefill, target_forwards=forwards, decode_tokens_per_second=tokens / decode if decode > 0 else None)
     if method in ("chain", "tree"):
         steps = max(len(accepted), 1)
         row["tau"] = sum(a + 1 for a in accepted) / steps
@@ -170,14 +171,20 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| method | T | tokens/s | ms/token | tau | acceptance per position |", "|---|---|---|---|---|---|"]
-    for r in rows:
+    from eaglekit.report import bench_table
+
+    lines = ["| method | T | tokens/s | ms/token | speed-up | decode-phase tokens/s | tau | acceptance per position |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in bench_table(rows):
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['temperature']:g} | failed: {r['error'][:100]} | | | |")
+            lines.append(f"| {r['method']} | {r['temperature']:g} | failed: {r['error'][:100]} | | | | | |")
             continue
         rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_second'] or 0:.1f} | {r['ms_per_token'] or 0:.2f} | {tau} | {rates} |")
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] else ""
+        decode = f"{r['decode_tokens_per_second']:.1f}" if r.get("decode_tokens_per_second") else ""
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_second'] or 0:.1f} | {r['ms_per_token'] or 0:.2f} | "
+                     f"{speedup} | {decode} | {tau} | {rates} |")
     return "\n".join(lines) + "\n"
 
 
