@@ -155,6 +155,12 @@ def peer_versions(python: str) -> dict[str, str]:
 
 # ---- eaglekit's side -----------------------------------------------------------------------------
 
+def run_train_overrides(run: Path, output: Path, device: str) -> dict[str, Any]:
+    """RUN_DIR's train config, offline on its shards and vocabulary, written to `output` on `device`, from scratch."""
+    return {"shards": str(run / "extract"), "vocab": str(run / "vocab" / "vocab.safetensors"), "output": str(output),
+            "resume": False, "device": device, "init_from": ""}
+
+
 def eaglekit_context(run: Path, device: str, work: Path, stack: contextlib.ExitStack) -> Any:
     """eaglekit's trainer for RUN_DIR's train config (records, split, soft labels, validate), on `device`."""
     from eaglekit.config import load_config
@@ -162,9 +168,7 @@ def eaglekit_context(run: Path, device: str, work: Path, stack: contextlib.ExitS
     from eaglekit.draft.train import Trainer, setup_distributed
     from eaglekit.stages.train import Config
 
-    overrides = {"shards": str(run / "extract"), "vocab": str(run / "vocab" / "vocab.safetensors"), "output": str(work / "eval"),
-                 "resume": False, "device": device, "init_from": ""}
-    config = load_config(Config, run / "train" / "config.yaml", overrides)
+    config = load_config(Config, run / "train" / "config.yaml", run_train_overrides(run, work / "eval", device))
     if not config.shards or config.val_fraction <= 0:
         raise SystemExit(f"{run}/train was not trained offline with a validation split (val_fraction > 0): nothing to compare on")
     shutil.rmtree(work / "eval", ignore_errors=True)
@@ -374,6 +378,35 @@ def import_peer(checkpoint: str, output: Path, trainer: Any) -> Any:
     return drafter
 
 
+def peer_side(args: Any, trainer: Any, work: Path, eaglekit_tps: float, report: dict[str, Any]) -> dict[str, Any]:
+    """Convert the run's data for speculators, train the peer with eaglekit's settings, and record the data, the
+    commands, both settings and their `differences` in `report` -> the peer's side (its `error` if it failed)."""
+    from eaglekit.draft.train import _amp_dtype
+    from eaglekit.target.capture import text_config
+    from eaglekit.target.loading import load_target_config
+
+    c = trainer.config
+    amp = _amp_dtype(c.dtype, torch.device(args.device))
+    hs_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.hs_dtype, torch.float32 if amp is None else torch.bfloat16)
+    norm_weight = final_norm_weight(c.target)
+    started = time.perf_counter()
+    conv = convert(trainer, norm_weight, work / "data", hs_dtype)
+    conv["seconds"] = time.perf_counter() - started
+    eps = float(getattr(text_config(load_target_config(c.target)), "rms_norm_eps", 1e-6))
+    label = label_check(trainer, work / "data", conv["train_records"], norm_weight, eps)
+    multiple = FLEX_BLOCK if args.device.startswith("cuda") else 1  # cuda: simple_flex_attention (peer_command)
+    plan = plan_peer(args.peer_python, conv.pop("train_lengths"), args.steps, eaglekit_tps, c.seed, multiple)
+    cmd, settings = peer_command(args, trainer, work / "data", work / "peer" / "checkpoints", plan, conv)
+    report.update(data={**conv, "label_check": label}, commands={"this": [sys.executable, *sys.argv], "peer_train": shown(cmd)},
+                  settings={"eaglekit": {k: getattr(c, k) for k in ("ttt_steps", "step_decay", "lr", "betas", "weight_decay",
+                            "warmup_steps", "min_lr_ratio", "grad_clip", "batch_size", "grad_accum", "max_length", "epochs",
+                            "max_steps", "seed", "device", "dtype", "attention")}, "peer": settings},
+                  differences=differences(args, trainer, settings, eaglekit_tps, plan, label))
+    peer = train_peer(cmd, work / "peer" / "checkpoints", args.device)
+    peer.update(planned_steps=args.steps, planned_epochs=plan["epochs"], tokens_per_step=plan["tokens_per_step"])
+    return peer
+
+
 def variant_options(spec: str) -> list[str]:
     """'a=1,b=[0.9,0.999]' -> ['a=1', 'b=[0.9,0.999]'] (commas inside [...] belong to a value)."""
     return [kv for kv in re.split(r",(?![^\[]*\])", spec) if kv]
@@ -386,10 +419,8 @@ def train_variant(run: Path, spec: str, output: Path, trainer: Any, device: str)
     from eaglekit.draft.model import Eagle3Drafter
     from eaglekit.stages import train as train_stage
 
-    options = variant_options(spec)
-    fixed = {"shards": str(run / "extract"), "vocab": str(run / "vocab" / "vocab.safetensors"), "output": str(output),
-             "resume": False, "device": device, "init_from": ""}
-    config = load_config(train_stage.Config, run / "train" / "config.yaml", {**fixed, **parse_overrides(options)})
+    config = load_config(train_stage.Config, run / "train" / "config.yaml",
+                         {**run_train_overrides(run, output, device), **parse_overrides(variant_options(spec))})
     shutil.rmtree(output, ignore_errors=True)
     started = time.perf_counter()
     result = train_stage.run(config)
@@ -492,15 +523,12 @@ def parse(argv: list[str] | None) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from eaglekit.draft.model import Eagle3Drafter
-    from eaglekit.draft.train import _amp_dtype
     from eaglekit.manifest import atomic_write_json, environment
-    from eaglekit.target.capture import text_config
-    from eaglekit.target.loading import load_target_config
 
     args = parse(argv)
     run = Path(args.run)
     check_run(run)
-    versions = peer_versions(args.peer_python)
+    versions = None if args.no_peer else peer_versions(args.peer_python)
     work = Path(args.work) if args.work else run / "peer_speculators"
     manifest = json.loads((run / "train" / "manifest.json").read_text())
     args.eaglekit_steps = int(manifest["steps"])
@@ -511,26 +539,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "versions": {"peer": versions, "eaglekit_torch": torch.__version__}}
     with contextlib.ExitStack() as stack:
         trainer = eaglekit_context(run, args.device, work, stack)
-        c = trainer.config
-        amp = _amp_dtype(c.dtype, torch.device(args.device))
-        hs_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.hs_dtype, torch.float32 if amp is None else torch.bfloat16)
-        norm_weight = final_norm_weight(c.target)
-        started = time.perf_counter()
-        conv = convert(trainer, norm_weight, work / "data", hs_dtype)
-        conv["seconds"] = time.perf_counter() - started
-        eps = float(getattr(text_config(load_target_config(c.target)), "rms_norm_eps", 1e-6))
-        label = label_check(trainer, work / "data", conv["train_records"], norm_weight, eps)
         eaglekit_tps = eaglekit_tokens_per_step(trainer, args.steps)
-        multiple = FLEX_BLOCK if args.device.startswith("cuda") else 1  # cuda: simple_flex_attention (peer_command)
-        plan = plan_peer(args.peer_python, conv.pop("train_lengths"), args.steps, eaglekit_tps, c.seed, multiple)
-        cmd, settings = peer_command(args, trainer, work / "data", work / "peer" / "checkpoints", plan, conv)
-        report.update(data={**conv, "label_check": label}, commands={"this": [sys.executable, *sys.argv], "peer_train": shown(cmd)},
-                      settings={"eaglekit": {k: getattr(c, k) for k in ("ttt_steps", "step_decay", "lr", "betas", "weight_decay",
-                                "warmup_steps", "min_lr_ratio", "grad_clip", "batch_size", "grad_accum", "max_length", "epochs",
-                                "max_steps", "seed", "device", "dtype", "attention")}, "peer": settings},
-                      differences=differences(args, trainer, settings, eaglekit_tps, plan, label))
-        peer = {"error": {"exception": "not run (--no-peer)"}} if args.no_peer else train_peer(cmd, work / "peer" / "checkpoints", args.device)
-        peer.update(planned_steps=args.steps, planned_epochs=plan["epochs"], tokens_per_step=plan["tokens_per_step"])
+        peer = {"error": {"exception": "not run (--no-peer)"}} if args.no_peer else peer_side(args, trainer, work, eaglekit_tps, report)
         ours = Eagle3Drafter.from_pretrained(run / "train")
         report["eaglekit"] = {"drafter": str(run / "train"), "steps": args.eaglekit_steps, "epochs": manifest.get("epochs"),
                               "wall_s": json.loads((run / "train" / ".run-done").read_text())["seconds"]
