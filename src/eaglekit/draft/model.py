@@ -276,7 +276,7 @@ class Eagle3Drafter(nn.Module):
         if tuple(weight.shape) != (self.config.vocab_size, self.lm_head.weight.shape[1]):
             raise EaglekitError(f"target lm_head has shape {tuple(weight.shape)}, drafter expects "
                                 f"({self.config.vocab_size}, {self.lm_head.weight.shape[1]}): the drafter was made for another target")
-        used_ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        used_ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
         with torch.no_grad():
             self.lm_head.weight.copy_(weight[used_ids.to(weight.device)].to(self.lm_head.weight))
 
