@@ -25,7 +25,8 @@ RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eagl
    evaluates both drafters with `Trainer.validate` (accuracy per TTT position, estimated tau) and, with --bench,
    decodes the run's bench prompts with both (`eaglekit.stages.bench`, chain and tree, temperature 0);
    With --variants, eaglekit's drafter is trained again with some train options changed (one drafter per
-   variant, e.g. speculators' settings on eaglekit's trainer) and evaluated the same way;
+   variant, e.g. speculators' settings on eaglekit's trainer) and evaluated the same way; the variants train
+   in this process while the peer trains in its own (their wall times overlap: `variants_trained_beside_peer`);
 5. writes JSON: both drafters side by side, commands, steps actually performed, wall times, versions, and the
    settings speculators does not let us match (`differences`).
 
@@ -61,7 +62,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -336,7 +337,8 @@ def speculators_error(log: str) -> dict[str, str]:
     return out
 
 
-def train_peer(cmd: list[str], save: Path, device: str) -> dict[str, Any]:
+def train_peer(cmd: list[str], save: Path, device: str, meanwhile: Callable[[], None]) -> dict[str, Any]:
+    """Runs speculators' trainer; `meanwhile()` runs in this process while it trains (the peer is killed if it raises)."""
     shutil.rmtree(save.parent, ignore_errors=True)
     save.parent.mkdir(parents=True)
     env = dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1", _TYPER_STANDARD_TRACEBACK="1")  # plain tracebacks
@@ -346,12 +348,20 @@ def train_peer(cmd: list[str], save: Path, device: str) -> dict[str, Any]:
     print("peer:", " ".join(shown(cmd)), flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            meanwhile()
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        code = process.wait()
     result: dict[str, Any] = {"wall_s": time.perf_counter() - started, "returncode": code, "log": str(log_path)}
     if code != 0:
         result["error"] = speculators_error(log_path.read_text())
         return result
-    epochs = sorted((p for p in save.iterdir() if p.name.isdigit() and (p / "config.json").is_file()), key=lambda p: int(p.name))
+    written = save.iterdir() if save.is_dir() else []
+    epochs = sorted((p for p in written if p.name.isdigit() and (p / "config.json").is_file()), key=lambda p: int(p.name))
     if not epochs:
         result["error"] = {"exception": f"speculators wrote no checkpoint into {save}"}
         return result
@@ -378,9 +388,11 @@ def import_peer(checkpoint: str, output: Path, trainer: Any) -> Any:
     return drafter
 
 
-def peer_side(args: Any, trainer: Any, work: Path, eaglekit_tps: float, report: dict[str, Any]) -> dict[str, Any]:
-    """Convert the run's data for speculators, train the peer with eaglekit's settings, and record the data, the
-    commands, both settings and their `differences` in `report` -> the peer's side (its `error` if it failed)."""
+def peer_side(args: Any, trainer: Any, work: Path, eaglekit_tps: float, report: dict[str, Any],
+              meanwhile: Callable[[], None]) -> dict[str, Any]:
+    """Convert the run's data for speculators, train the peer with eaglekit's settings (running `meanwhile()` as
+    it trains), and record the data, the commands, both settings and their `differences` in `report` -> the
+    peer's side (its `error` if it failed)."""
     from eaglekit.draft.train import _amp_dtype
     from eaglekit.target.capture import text_config
     from eaglekit.target.loading import load_target_config
@@ -402,7 +414,7 @@ def peer_side(args: Any, trainer: Any, work: Path, eaglekit_tps: float, report: 
                             "warmup_steps", "min_lr_ratio", "grad_clip", "batch_size", "grad_accum", "max_length", "epochs",
                             "max_steps", "seed", "device", "dtype", "attention")}, "peer": settings},
                   differences=differences(args, trainer, settings, eaglekit_tps, plan, label))
-    peer = train_peer(cmd, work / "peer" / "checkpoints", args.device)
+    peer = train_peer(cmd, work / "peer" / "checkpoints", args.device, meanwhile)
     peer.update(planned_steps=args.steps, planned_epochs=plan["epochs"], tokens_per_step=plan["tokens_per_step"])
     return peer
 
@@ -540,7 +552,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         trainer = eaglekit_context(run, args.device, work, stack)
         eaglekit_tps = eaglekit_tokens_per_step(trainer, args.steps)
-        peer = {"error": {"exception": "not run (--no-peer)"}} if args.no_peer else peer_side(args, trainer, work, eaglekit_tps, report)
+        variants: list[dict[str, Any]] = []
+
+        def train_variants() -> None:  # while the peer trains: the GPU has room for both (a 1-layer drafter each)
+            variants.extend(train_variant(run, spec, work / f"variant-{i}", trainer, args.device) for i, spec in enumerate(args.variants))
+
+        if args.no_peer:
+            peer = {"error": {"exception": "not run (--no-peer)"}}
+            train_variants()
+        else:
+            peer = peer_side(args, trainer, work, eaglekit_tps, report, train_variants)
+        report["variants"] = variants
+        report["variants_trained_beside_peer"] = bool(variants) and not args.no_peer  # their and the peer's wall times overlap
         ours = Eagle3Drafter.from_pretrained(run / "train")
         report["eaglekit"] = {"drafter": str(run / "train"), "steps": args.eaglekit_steps, "epochs": manifest.get("epochs"),
                               "wall_s": json.loads((run / "train" / ".run-done").read_text())["seconds"]
@@ -552,7 +575,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             peer.update(drafter=str(work / "peer_eaglekit"), val=evaluate(trainer, imported))
             if peer.get("steps") != args.steps:
                 report["differences"].append(f"steps: speculators performed {peer.get('steps')} optimizer steps, {args.steps} were asked")
-        report["variants"] = [train_variant(run, spec, work / f"variant-{i}", trainer, args.device) for i, spec in enumerate(args.variants)]
         if args.bench:
             report["eaglekit"]["bench"] = bench(run, run / "train", work / "bench_eaglekit", args.device)
             if "error" not in peer:

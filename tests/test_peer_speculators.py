@@ -47,3 +47,27 @@ def test_variant_options_keep_lists_whole():
     assert peer.variant_options("freeze_lm_head=true,betas=[0.9,0.999],grad_clip=1.0") == [
         "freeze_lm_head=true", "betas=[0.9,0.999]", "grad_clip=1.0"]
     assert peer.variant_options("lm_head_init=random") == ["lm_head_init=random"]
+
+
+def test_train_peer_runs_meanwhile_beside_the_peer_and_kills_it_if_meanwhile_fails(tmp_path):
+    import time
+
+    import pytest
+
+    peer = load_peer_script()
+    save = tmp_path / "peer" / "checkpoints"
+    # the peer writes a marker after a pause: `meanwhile` runs while it is still going
+    marker = tmp_path / "peer" / "marker"
+    slow = [sys.executable, "-c", f"import time, pathlib; time.sleep(1); pathlib.Path({str(marker)!r}).write_text('done')"]
+    seen = []
+    result = peer.train_peer(slow, save, "cpu", lambda: seen.append(marker.exists()))
+    assert seen == [False] and marker.read_text() == "done"
+    assert result["returncode"] == 0 and "no checkpoint" in result["error"]["exception"]
+
+    def fails():
+        raise RuntimeError("variant failed")
+
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="variant failed"):
+        peer.train_peer([sys.executable, "-c", "import time; time.sleep(60)"], save, "cpu", fails)
+    assert time.perf_counter() - started < 30  # killed, not waited for
