@@ -73,9 +73,9 @@ def test_report_sections_and_numbers(tmp_path):
     assert "draft vocabulary: 1024 of 4096 ids (built from counts); coverage 98.77% of 3 loss-masked tokens" in text
     assert "Validation at step 40: loss 1.2345, estimated tau 2.47." in text
     assert "| accuracy | 0.812 | 0.654 |" in text and "| loss | 0.500 | 0.600 |" in text
-    assert "| chain | 0 | 25.0 | 40.00 | 2.50x vs plain | 3.21 | 0.90 0.70 0.50 |" in text
-    assert "| tree | 0 | 20.0 | 50.00 | 2.00x vs plain | 3.90 | 0.95 0.80 0.60 0.40 |" in text
-    assert "| chain | 1 | 12.0 | 83.30 | 1.50x vs plain | 2.00 |" in text
+    assert "| chain | 0 | 25.0 | 40.00 | 2.50x vs plain | n/a | 3.21 | 0.90 0.70 0.50 |" in text
+    assert "| tree | 0 | 20.0 | 50.00 | 2.00x vs plain | n/a | 3.90 | 0.95 0.80 0.60 0.40 |" in text
+    assert "| chain | 1 | 12.0 | 83.30 | 1.50x vs plain | n/a | 2.00 |" in text
     vllm, sglang = (str((out / "export" / f).resolve()) for f in ("vllm", "sglang"))
     assert (f"vllm serve {target} --speculative-config "
             f"'{{\"method\": \"eagle3\", \"model\": \"{vllm}\", \"num_speculative_tokens\": 3}}'") in text

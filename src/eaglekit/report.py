@@ -133,6 +133,22 @@ def bench_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
+def bench_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """Bench rows as a markdown table (speed-up over `bench_table`'s baseline; failed rows name their error)."""
+    lines = ["| method | T | tokens/s | ms/token | speed-up | decode-phase tokens/s | tau | acceptance per position |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in bench_table(rows):
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['temperature']:g} | failed: {r['error'][:100]} | | | | | |")
+            continue
+        speedup = f"{r['speedup']:.2f}x vs {r['baseline']}" if r["speedup"] else "n/a"
+        rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {_fmt(r.get('tokens_per_second'), '.1f')} | "
+                     f"{_fmt(r.get('ms_per_token'), '.2f')} | {speedup} | {_fmt(r.get('decode_tokens_per_second'), '.1f')} | "
+                     f"{_fmt(r.get('tau'), '.2f') if 'tau' in r else ''} | {rates} |")
+    return lines
+
+
 def headline(info: dict[str, Any]) -> dict[str, Any]:
     """tau and speed-up of the fastest EAGLE-3 method at the lowest temperature measured, and the val accuracy."""
     result: dict[str, Any] = {}
@@ -295,12 +311,7 @@ def _section_decoding(info: dict[str, Any], plotted: bool) -> list[str]:
     config = bench.get("config") or {}
     lines.append(f"{bench.get('num_prompts')} prompts from `{config.get('prompts')}`, {config.get('max_new_tokens')} new tokens each, "
                  f"median of {config.get('repeats')} runs, backend {bench.get('backend')}, device {config.get('device')}.")
-    lines += ["", "| method | T | tokens/s | ms/token | speed-up | tau | acceptance per position |", "|---|---|---|---|---|---|---|"]
-    for r in bench_table(bench.get("rows", [])):
-        speedup = f"{r['speedup']:.2f}x vs {r['baseline']}" if r["speedup"] else "n/a"
-        rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {_fmt(r.get('tokens_per_second'), '.1f')} | "
-                     f"{_fmt(r.get('ms_per_token'), '.2f')} | {speedup} | {_fmt(r.get('tau'), '.2f')} | {rates} |")
+    lines += ["", *bench_markdown(bench.get("rows", []))]
     if plotted:
         lines += ["", f"![acceptance per position]({ACCEPTANCE_PLOT})"]
     return lines

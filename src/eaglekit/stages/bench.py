@@ -171,21 +171,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    from eaglekit.report import bench_table
+    from eaglekit.report import bench_markdown
 
-    lines = ["| method | T | tokens/s | ms/token | speed-up | decode-phase tokens/s | tau | acceptance per position |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in bench_table(rows):
-        if "error" in r:
-            lines.append(f"| {r['method']} | {r['temperature']:g} | failed: {r['error'][:100]} | | | | | |")
-            continue
-        rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
-        tau = f"{r['tau']:.2f}" if "tau" in r else ""
-        speedup = f"{r['speedup']:.2f}x" if r["speedup"] else ""
-        decode = f"{r['decode_tokens_per_second']:.1f}" if r.get("decode_tokens_per_second") else ""
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_second'] or 0:.1f} | {r['ms_per_token'] or 0:.2f} | "
-                     f"{speedup} | {decode} | {tau} | {rates} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(bench_markdown(rows)) + "\n"
 
 
 def _check(config: Config) -> list[str]:
