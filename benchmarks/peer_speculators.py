@@ -73,6 +73,9 @@ INSTALL_HINT = (f"python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install
 # extend_mask_for_draft_tokens), so a packed length off that grid fails at the second TTT step (H200, 2026-12-03:
 # "block_mask was created for ... (1, 1, 768, 1536) but got q_len=648 and kv_len=1296")
 FLEX_BLOCK = 128
+EAGLEKIT_SETTINGS = ("ttt_steps", "step_decay", "lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio", "grad_clip", "step_weighting",
+                     "lm_head_init", "freeze_lm_head", "batch_size", "grad_accum", "max_length", "epochs", "max_steps", "seed", "device",
+                     "dtype", "attention")  # eaglekit's train options the report lists beside the peer's
 LABEL_CHECK_TOKENS = 2048  # validation tokens on which eaglekit's and the peer's soft labels are compared
 
 # Runs in the peer's Python: speculators' own packing sampler, to pick the packed length (tokens per step) and the
@@ -410,9 +413,7 @@ def peer_side(args: Any, trainer: Any, work: Path, eaglekit_tps: float, report: 
     plan = plan_peer(args.peer_python, conv.pop("train_lengths"), args.steps, eaglekit_tps, c.seed, multiple)
     cmd, settings = peer_command(args, trainer, work / "data", work / "peer" / "checkpoints", plan, conv)
     report.update(data={**conv, "label_check": label}, commands={"this": [sys.executable, *sys.argv], "peer_train": shown(cmd)},
-                  settings={"eaglekit": {k: getattr(c, k) for k in ("ttt_steps", "step_decay", "lr", "betas", "weight_decay",
-                            "warmup_steps", "min_lr_ratio", "grad_clip", "batch_size", "grad_accum", "max_length", "epochs",
-                            "max_steps", "seed", "device", "dtype", "attention")}, "peer": settings},
+                  settings={"eaglekit": {k: getattr(c, k) for k in EAGLEKIT_SETTINGS}, "peer": settings},
                   differences=differences(args, trainer, settings, eaglekit_tps, plan, label))
     peer = train_peer(cmd, work / "peer" / "checkpoints", args.device, meanwhile)
     peer.update(planned_steps=args.steps, planned_epochs=plan["epochs"], tokens_per_step=plan["tokens_per_step"])
@@ -474,17 +475,22 @@ def differences(args: Any, trainer: Any, settings: dict[str, Any], eaglekit_tps:
     c, out = trainer.config, []
     if args.steps != args.eaglekit_steps:
         out.append(f"steps: the peer ran --steps {args.steps}, eaglekit's drafter was trained for {args.eaglekit_steps}")
+    head = ("starts from the target's rows" if c.lm_head_init == "target" else "starts random") + (
+        " and stays frozen" if c.freeze_lm_head else " and is trained")
     out += [
         "lm_head: speculators initialises it from the target's lm_head rows of the draft vocabulary and keeps it FROZEN "
-        "(speculators/model.py _init_vocab / _load_verifier_weights; no option); eaglekit initialises it randomly and trains it",
+        f"(speculators/model.py _init_vocab / _load_verifier_weights; no option); eaglekit's {head} "
+        f"(lm_head_init={c.lm_head_init}, freeze_lm_head={str(c.freeze_lm_head).lower()})",
         f"optimizer: AdamW betas are torch's default (0.9, 0.999) in speculators (train/optimizers.py, no option); eaglekit {tuple(c.betas)}",
         f"gradient clipping: speculators clips at 1.0 (train/trainer.py, no option); eaglekit at {c.grad_clip}",
         f"schedule: both linear warmup ({settings['scheduler-warmup-steps']} steps) then cosine to 0, but transformers' warmup starts "
         "at lr 0 (step/warmup) where eaglekit starts at lr/(warmup+1)"
         + (f"; eaglekit decays to lr x {c.min_lr_ratio}, speculators to 0" if c.min_lr_ratio else ""),
-        f"batching: eaglekit steps on {c.batch_size * c.grad_accum} padded records ({eaglekit_tps:.0f} tokens/step on average); "
-        f"speculators packs records into one sequence of --total-seq-len {plan['packed']} per step and has no record batch size or "
-        f"gradient accumulation ({plan['tokens_per_step']:.0f} tokens/step on average); shuffling and packing orders differ",
+        f"batching: eaglekit steps on {c.batch_size * c.grad_accum} padded records ({eaglekit_tps:.0f} tokens/step on average), "
+        + ("each step's loss the mean over its own tokens (step_weighting=equal: a step of short records weighs as much as one "
+           "of long records)" if c.step_weighting == "equal" else "every token weighing the same (step_weighting=tokens)")
+        + f"; speculators packs records into one sequence of --total-seq-len {plan['packed']} per step and has no record batch "
+        f"size or gradient accumulation ({plan['tokens_per_step']:.0f} tokens/step on average); shuffling and packing orders differ",
         "loss mask: speculators weights position t by the mask of its INPUT token and keeps targets whose argmax lies outside "
         "the draft vocabulary; eaglekit uses the mask of the predicted token and drops out-of-vocabulary targets (docs/train.md)",
         "loss: KL(target || draft) in speculators, soft cross-entropy in eaglekit: the same gradients, losses differ by the "

@@ -166,3 +166,36 @@ def test_lm_head_starts_from_the_targets_rows_and_can_stay_frozen(chat_target, d
     drafter = Eagle3Drafter.from_pretrained(tmp_path / "random")
     rows = head[drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))]
     assert (drafter.lm_head.weight - rows).norm() > 0.5 * rows.norm()
+
+
+def test_token_step_weighting_weighs_every_token_the_same(chat_target, data_file, tmp_path):
+    """step_weighting=tokens: two one-record steps give twice the gradient of one equal-weighted step over both
+    records (what packed training does); with equal weighting the short record would count as much as the long one."""
+    import contextlib
+
+    from eaglekit.draft.data import mean_mask_counts
+    from eaglekit.draft.setup import setup
+    from eaglekit.draft.train import Trainer, setup_distributed
+
+    config = options(chat_target, data_file, tmp_path / "run", step_weighting="tokens", batch_size=1, draft_vocab_size=10**6)
+    with contextlib.ExitStack() as stack:
+        d = setup_distributed("cpu")
+        drafter, source, identity = setup(config, d, stack)
+        assert bool(drafter.t2d.all())  # the whole vocabulary: every position's label is in it, train mask = accuracy mask
+        trainer = Trainer(config, d, drafter, source, identity)
+        a, b = sorted(trainer.train_idx, key=lambda i: source.lengths[i])[:: len(trainer.train_idx) - 1]  # shortest, longest
+        assert source.lengths[a] < source.lengths[b]
+        params = [p for p in drafter.parameters() if p.requires_grad]
+
+        def gradient(batches):
+            trainer.optimizer.zero_grad(set_to_none=True)
+            for batch in batches:
+                trainer._micro(batch, 1.0, True)
+            return torch.cat([p.grad.flatten() for p in params])
+
+        trainer.record_counts = mean_mask_counts(source.tokens, [a, b], config.max_length, config.ttt_steps)
+        per_token = gradient([[a], [b]])
+        trainer.record_counts = None
+        pooled = gradient([[a, b]])
+        assert torch.allclose(per_token, 2 * pooled, rtol=1e-4, atol=1e-7)
+        assert not torch.allclose(gradient([[a], [b]]), 2 * pooled, rtol=1e-2)  # equal weighting: not the pooled gradient

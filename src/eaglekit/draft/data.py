@@ -86,6 +86,16 @@ def epoch_batches(indices: list[int], lengths: list[int], batch_size: int, world
     return [batches[i] for i in shuffle]
 
 
+def mean_mask_counts(tokens: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], max_length: int, num_steps: int) -> torch.Tensor:
+    """(K,) mean number of positions per record in TTT step k's accuracy mask (`ttt.step_masks`: m_{t+2+k})."""
+    counts = torch.zeros(num_steps)
+    for i in indices:
+        mask = tokens[i][1][:max_length].long()
+        head = torch.nn.functional.pad(mask[: 1 + num_steps], (0, 1 + num_steps)).cumsum(0)  # positions 0..j masked
+        counts += mask.sum() - head[1 : 1 + num_steps]  # m[2+k:].sum() = total - m[:2+k].sum()
+    return counts / max(len(indices), 1)
+
+
 def padded_length(longest: int, multiple: int) -> int:
     """`longest` rounded up to a multiple of `multiple` (>= 1). Right padding is exact: it is outside the loss
     mask, and causal attention never lets a real position see a later (padded) one."""

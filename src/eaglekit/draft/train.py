@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from eaglekit.config import config_hash, save_resolved, to_dict
 from eaglekit.draft import checkpoint as ckpt
-from eaglekit.draft.data import epoch_batches, split_indices
+from eaglekit.draft.data import epoch_batches, mean_mask_counts, split_indices
 from eaglekit.draft.model import Eagle3Drafter
 from eaglekit.draft.ttt import expected_acceptance, step_masks, step_weights, ttt_forward
 from eaglekit.errors import EaglekitError
@@ -132,6 +132,9 @@ class Trainer:
             raise EaglekitError(f"{len(self.train_idx)} training records are fewer than one batch of {config.batch_size * d.world} "
                                 f"(batch_size x processes); lower batch_size or add data")
         self.steps_per_epoch = math.ceil(self.micro_batches / config.grad_accum)
+        # step_weighting=tokens: loss sums are divided by the mean count of a global micro-batch, not by its own
+        self.record_counts = (mean_mask_counts(source.tokens, self.train_idx, config.max_length, config.ttt_steps).to(d.device)
+                              if config.step_weighting == "tokens" else None)
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
         self.warmup = config.warmup_steps if config.warmup_steps >= 0 else round(0.03 * self.total_steps)
         self.position = Position()
@@ -190,8 +193,11 @@ class Trainer:
         """Forward + backward of this rank's share of a global micro-batch -> (4, K) sums."""
         mine = indices[self.d.rank :: self.d.world]
         batch = self.source.batch(mine, self.d.device, self.amp or torch.float32, self.pad_to)
-        train_masks, _ = step_masks(batch.loss_mask, batch.in_vocab, self.config.ttt_steps)
-        denominators = all_reduce(train_masks.sum(dim=(1, 2)).float(), self.d).clamp(min=1.0)
+        if self.record_counts is None:
+            train_masks, _ = step_masks(batch.loss_mask, batch.in_vocab, self.config.ttt_steps)
+            denominators = all_reduce(train_masks.sum(dim=(1, 2)).float(), self.d).clamp(min=1.0)
+        else:
+            denominators = (self.record_counts * len(indices)).clamp(min=1.0)
         no_sync = getattr(self.module, "no_sync", None)
         context = no_sync() if (no_sync is not None and not sync) else contextlib.nullcontext()
         with context, _autocast(self.d.device, self.amp):
