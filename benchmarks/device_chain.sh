@@ -13,7 +13,8 @@
 # every 60 s, so a command cut off by the device budget still brings back what was done.
 # Environment: RUN_ALL_FLAGS (e.g. "--bench-methods plain,chain,tree" to leave out the slow HF peers;
 # with --no-draft-lm for the target part too), CHAIN_SPEED=0 (leave out extract_speed_reference and
-# profile), WAIT_S (default 560 s per command), EAGLEKIT_COMMIT (the commit the JSON files name: write the
+# profile), CHAIN_PEER_FIRST=1 (the peer right after the pipeline's training, before the bench: a budget
+# that runs short then cuts the bench, not the peer), WAIT_S (default 560 s per command), EAGLEKIT_COMMIT (the commit the JSON files name: write the
 # hash of the tree you send into the device command, since the machine's copy of .git may be stale).
 set -u
 cd "$(dirname "$0")/.."
@@ -25,6 +26,16 @@ FLAGS=${RUN_ALL_FLAGS:-}
 
 chain() {
     log() { echo "[chain $(date +%T)] $*"; }
+    peer() {
+        [ -d .whl ] || return 0
+        # the peer's libraries go to a folder only the peer's process sees
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            > "$RESULTS/peer.log" 2>&1
+        python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__)" >> "$RESULTS/peer.log" 2>&1
+        EAGLEKIT_PEER_SITE=/tmp/site python3 benchmarks/run_all.py --parts peer,summary $FLAGS --work "$WORK" \
+            --out "$RESULTS" >> "$RESULTS/peer.log" 2>&1
+        log "peer rc=$?"
+    }
     mkdir -p "$RESULTS"
     log start
     (python3 -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
@@ -33,16 +44,14 @@ chain() {
     log "target rc=$?"
     wait
     log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
+    if [ "${CHAIN_PEER_FIRST:-0}" = 1 ]; then
+        python3 benchmarks/run_all.py --parts pipeline $FLAGS --work "$WORK" --out "$RESULTS" > "$RESULTS/pipeline.log" 2>&1
+        log "pipeline rc=$?"
+        peer
+    fi
     python3 benchmarks/run_all.py --parts pipeline,bench,summary $FLAGS --work "$WORK" --out "$RESULTS" > "$RESULTS/bench.log" 2>&1
     log "pipeline, bench rc=$?"
-    if [ -d .whl ]; then  # the peer's libraries go to a folder only the peer's process sees
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-            > "$RESULTS/peer.log" 2>&1
-        python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__)" >> "$RESULTS/peer.log" 2>&1
-        EAGLEKIT_PEER_SITE=/tmp/site python3 benchmarks/run_all.py --parts peer,summary $FLAGS --work "$WORK" \
-            --out "$RESULTS" >> "$RESULTS/peer.log" 2>&1
-        log "peer rc=$?"
-    fi
+    [ "${CHAIN_PEER_FIRST:-0}" = 1 ] || peer
     if [ "${CHAIN_SPEED:-1}" = 1 ]; then
         python3 benchmarks/run_all.py --parts extract_speed_reference,profile,summary $FLAGS --work "$WORK" --out "$RESULTS" \
             > "$RESULTS/extract_profile.log" 2>&1
