@@ -28,7 +28,8 @@ RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eagl
    variant, e.g. speculators' settings on eaglekit's trainer) and evaluated the same way; the variants train
    in this process while the peer trains in its own (their wall times overlap: `variants_trained_beside_peer`);
 5. writes JSON: both drafters side by side, commands, steps actually performed, wall times, versions, and the
-   settings speculators does not let us match (`differences`).
+   settings speculators does not let us match (`differences`); also after each variant, evaluation and bench,
+   with `status: partial`, so a run cut off keeps what it finished.
 
 Work files (converted data, peer checkpoints and log, imported drafter) go to --work (default RUN_DIR/peer_speculators).
 
@@ -559,16 +560,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer = eaglekit_context(run, args.device, work, stack)
         eaglekit_tps = eaglekit_tokens_per_step(trainer, args.steps)
         variants: list[dict[str, Any]] = []
+        report["variants"] = variants
 
         def train_variants() -> None:  # while the peer trains: the GPU has room for both (a 1-layer drafter each)
-            variants.extend(train_variant(run, spec, work / f"variant-{i}", trainer, args.device) for i, spec in enumerate(args.variants))
+            for i, spec in enumerate(args.variants):
+                variants.append(train_variant(run, spec, work / f"variant-{i}", trainer, args.device))
+                save_partial(out_path, report)
 
         if args.no_peer:
             peer = {"error": {"exception": "not run (--no-peer)"}}
             train_variants()
         else:
             peer = peer_side(args, trainer, work, eaglekit_tps, report, train_variants)
-        report["variants"] = variants
         report["variants_trained_beside_peer"] = bool(variants) and not args.no_peer  # their and the peer's wall times overlap
         ours = Eagle3Drafter.from_pretrained(run / "train")
         report["eaglekit"] = {"drafter": str(run / "train"), "steps": args.eaglekit_steps, "epochs": manifest.get("epochs"),
@@ -581,12 +584,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             peer.update(drafter=str(work / "peer_eaglekit"), val=evaluate(trainer, imported))
             if peer.get("steps") != args.steps:
                 report["differences"].append(f"steps: speculators performed {peer.get('steps')} optimizer steps, {args.steps} were asked")
+        save_partial(out_path, report)
         if args.bench:
             report["eaglekit"]["bench"] = bench(run, run / "train", work / "bench_eaglekit", args.device)
             if "error" not in peer:
                 peer["bench"] = bench(run, work / "peer_eaglekit", work / "bench_peer", args.device)
+            save_partial(out_path, report)
             for i, variant in enumerate(report["variants"]):
                 variant["bench"] = bench(run, Path(variant["drafter"]), work / f"bench_variant-{i}", args.device)
+                save_partial(out_path, report)
     report["status"] = "not_run" if args.no_peer else "peer_failed" if "error" in report["peer"] else "ok"
     atomic_write_json(out_path, report)
     print_summary(report, out_path)
@@ -595,6 +601,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"speculators' trainer failed ({e.get('where', '?')}: {e['exception']}); eaglekit's figures and the "
                          f"converted data are in {out_path} and {work}; full log: {report['peer']['log']}")
     return report
+
+
+def save_partial(out_path: Path, report: dict[str, Any]) -> None:
+    """The report so far, `status: partial`: a run cut off (a device budget) keeps what it finished."""
+    from eaglekit.manifest import atomic_write_json
+
+    atomic_write_json(out_path, {**report, "status": "partial"})
 
 
 def print_summary(report: dict[str, Any], out_path: Path) -> None:
