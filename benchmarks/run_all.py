@@ -128,7 +128,7 @@ def build_models(work: Path, sizes: dict, draft_lm: bool = True) -> dict:
     return reports
 
 
-def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...], bench_methods: str = "") -> None:
+def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...], bench_methods: str = "", bench_repeats: int = 0) -> None:
     """`eaglekit run` on the reference target with the given stages (finished ones are skipped)."""
     from eaglekit.config import load_config
     from eaglekit.stages import run as run_stage
@@ -146,6 +146,8 @@ def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...], bench_methods
                           "assistant": str(models / "draft_lm")}
     if bench_methods:
         overrides["bench"]["methods"] = bench_methods.split(",")
+    if bench_repeats:
+        overrides["bench"]["repeats"] = bench_repeats
     run_stage.run(load_config(run_stage.Config, None, overrides))
 
 
@@ -320,6 +322,9 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
     parser.add_argument("--bench-methods", default="", help="bench only these methods (comma list; default: all, HF peers included)")
+    parser.add_argument("--bench-repeats", type=int, default=0,
+                        help="runs per prompt and method, the median kept (default: the sizes' 1; eaglekit's methods take "
+                             "about a second a run on the H200, the HF peers half a minute)")
     parser.add_argument("--no-draft-lm", action="store_true", help="target part: skip the draft LM (only HF assisted generation uses it)")
     parser.add_argument("--peer-variants", nargs="*", default=[], metavar="KEY=VALUE,...",
                         help="peer part: also train eaglekit drafters with these train options changed (peer_speculators.py --variants)")
@@ -334,7 +339,8 @@ def main() -> int:
     steps = {
         "target": lambda: build_models(work, sizes, not args.no_draft_lm),
         "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
-        "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export"), args.bench_methods),
+        "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export"), args.bench_methods,
+                                     args.bench_repeats),
         "profile": lambda: run_profile(work, out, args.smoke),
         "peer": lambda: run_peer(work, out, args.smoke, args.peer_variants),
         "decode_speed": lambda: run_decode_speed(out, args.smoke),
