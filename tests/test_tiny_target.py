@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -151,6 +152,20 @@ def test_build_script_pure_parts(tiny):
     pieces = list(script.file_pieces("x.py", text, seed=0))
     assert "\n".join(p.prompt + "\n" + p.answer for p in pieces) == text  # consecutive, nothing lost
     assert [p.line for p in pieces] == sorted({p.line for p in pieces})
+
+
+def test_token_stream_gives_the_sequential_ids_and_restores_the_parallelism_setting(tiny, monkeypatch):
+    _, tokenizer = tiny
+    script = build_script()
+    documents = [f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 7) for i in range(300)]
+    expected = [t for d in documents for t in tokenizer(d, add_special_tokens=False)["input_ids"]]
+    for setting in ("false", None):
+        if setting is None:
+            monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+        else:
+            monkeypatch.setenv("TOKENIZERS_PARALLELISM", setting)
+        assert script.token_stream(tokenizer, documents).tolist() == expected
+        assert os.environ.get("TOKENIZERS_PARALLELISM") == setting
 
 
 def test_eval_prompts_regenerate_identically_from_this_python(report):
