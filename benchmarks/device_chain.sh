@@ -14,8 +14,9 @@
 # Environment: RUN_ALL_FLAGS (e.g. "--bench-methods plain,chain,tree" to leave out the slow HF peers;
 # with --no-draft-lm for the target part too), CHAIN_SPEED=0 (leave out extract_speed_reference and
 # profile), CHAIN_PEER_FIRST=1 (the peer right after the pipeline's training, before the bench: a budget
-# that runs short then cuts the bench, not the peer), WAIT_S (default 560 s per command), EAGLEKIT_COMMIT (the commit the JSON files name: write the
-# hash of the tree you send into the device command, since the machine's copy of .git may be stale).
+# that runs short then cuts the bench, not the peer), WAIT_S (default 560 s per command), EAGLEKIT_COMMIT
+# (the commit the JSON files name: write the hash of the tree you send into the device command, since the
+# machine's copy of .git may be stale).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src"
