@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from eaglekit.draft.ttt import soft_labels_from_hidden
+from eaglekit.draft.ttt import soft_labels_from_hidden, step_masks
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,14 @@ def epoch_batches(indices: list[int], lengths: list[int], batch_size: int, world
     return [batches[i] for i in shuffle]
 
 
-def mean_mask_counts(tokens: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], max_length: int, num_steps: int) -> torch.Tensor:
-    """(K,) mean number of positions per record in TTT step k's accuracy mask (`ttt.step_masks`: m_{t+2+k})."""
+def mean_mask_counts(tokens: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], max_length: int, num_steps: int,
+                     chunk: int = 1024) -> torch.Tensor:
+    """(K,) mean number of positions per record in TTT step k's accuracy mask (`ttt.step_masks`)."""
     counts = torch.zeros(num_steps)
-    for i in indices:
-        mask = tokens[i][1][:max_length].long()
-        head = torch.nn.functional.pad(mask[: 1 + num_steps], (0, 1 + num_steps)).cumsum(0)  # positions 0..j masked
-        counts += mask.sum() - head[1 : 1 + num_steps]  # m[2+k:].sum() = total - m[:2+k].sum()
+    for start in range(0, len(indices), chunk):
+        masks = [tokens[i][1][:max_length].bool() for i in indices[start : start + chunk]]
+        padded = pad_stack(masks, max(len(m) for m in masks), False)  # (B, T)
+        counts += step_masks(padded, torch.ones_like(padded), num_steps)[1].sum(dim=(1, 2)).float()
     return counts / max(len(indices), 1)
 
 
