@@ -160,6 +160,35 @@ def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     assert generate(target, oracle, PROMPT, NEW, backend="static", compile=True, **tree).tokens == reference
 
 
+def test_compiled_prefills_run_padded_to_their_bucket(monkeypatch):
+    """compile=True pads both prefills up to a multiple of PREFILL_BUCKET, capped by the cache (here without
+    dynamo, recording the lengths the prefill functions see): the padding rows change no token, for a prompt
+    whose bucket fits and one whose bucket the cache cuts short."""
+    from eaglekit.decode import static
+
+    seen: list[int] = []
+
+    def recording(fn, enabled):
+        def call(*tensors):
+            seen.append(tensors[0].shape[0])
+            return fn(*tensors)
+        return call if enabled else fn
+
+    monkeypatch.setattr(static, "_compiled", lambda fn, enabled: fn)
+    monkeypatch.setattr(static, "_prefill_compiled", recording)
+    target = tiny_target("llama")
+    drafter = random_drafter(target)
+    prompt = [(7 * i) % 40 + 1 for i in range(70)]
+    speculative = (dict(method="tree", depth=3, tree_top_k=3, total_tokens=8), dict(method="chain", chain_length=3))
+    for max_length, options, padded in ((160, speculative[0], 128), (100, speculative[1], 100)):
+        seen.clear()
+        decoder = Decoder(target, drafter, backend="static", compile=True, max_length=max_length)
+        for kwargs in (options, dict(method="plain")):
+            assert decoder.generate(prompt, NEW, **kwargs).tokens == generate(target, drafter, prompt, NEW, backend="eager", **kwargs).tokens
+        assert seen == [padded, padded, padded], max_length  # target and drafter, then target (plain)
+    assert static._bucket(1, 500) == static.PREFILL_BUCKET and static._bucket(300, 280) == 300
+
+
 def always_right_pair():
     """A real target and a real EAGLE-3 drafter (so the static fused path runs) that always agree: the target's
     final norm is zero, so its logits are all 0 and greedy picks id 0; every draft id maps to target id 0."""

@@ -13,6 +13,7 @@ from eaglekit.decode import Decoder, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run it on the device machine)")
 
+LONG_PROMPT = [(7 * i) % 40 + 1 for i in range(70)]
 CASES = [
     dict(method="plain"),
     dict(method="tree", depth=3, tree_top_k=3, total_tokens=8),
@@ -29,7 +30,9 @@ def test_compiled_cuda_fast_path_equals_eager():
     decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
     for options in CASES:
         reference = generate(target, drafter, PROMPT, NEW, backend="eager", **options)
-        for prompt in (PROMPT, PROMPT[:3]):  # a second prompt length replays the same graphs
+        # a second prompt length replays the same graphs (prefills: the same bucket); a 70-token prompt records
+        # the prefills' second bucket (128 tokens, the whole cache)
+        for prompt in (PROMPT, PROMPT[:3], LONG_PROMPT):
             fast = decoder.generate(prompt, NEW, **options)
             expected = reference if prompt is PROMPT else generate(target, drafter, prompt, NEW, backend="eager", **options)
             assert fast.tokens == expected.tokens, (options, len(prompt))

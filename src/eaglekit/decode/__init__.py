@@ -76,7 +76,7 @@ class Decoder:
         opts = DecodeOptions(method=method, **options)
         if method != "plain" and self.drafter is None:
             raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
-        width = 1 + (opts.chain_length if method == "chain" else opts.total_tokens)
+        width = 0 if method == "plain" else 1 + (opts.chain_length if method == "chain" else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
             raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + draft nodes ({width}) "
                                 f"exceed the static cache ({self.max_length} slots); raise max_length")

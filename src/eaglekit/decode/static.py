@@ -8,7 +8,8 @@ Qwen3 (q/k norm) all run through it; anything else (MoE, MLA, sliding windows) u
 backend. With `compile=True` the fixed-shape work runs under `torch.compile(mode="reduce-overhead")`
 (CUDA graphs on GPU): the target's plain step, and every speculative step as one graph (`fused.py`:
 draft, verify, verification, KV compaction and the drafter's extend). The two prefills (a new length for
-every prompt) are compiled once each with a symbolic length, without CUDA graphs.
+every prompt) are compiled once each with a symbolic length and run padded to a multiple of
+`PREFILL_BUCKET` tokens, as a CUDA graph recorded once per bucket.
 Tests compare every output with the eager reference.
 """
 
@@ -163,9 +164,12 @@ class StaticLlama(nn.Module):
 
 # how fixed-shape steps are compiled (tests swap in backend="aot_eager" to trace the same graphs on a CPU)
 COMPILE_OPTIONS = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
-# how the prefills are compiled: one graph for every prompt length (the token dimension is symbolic), no
-# CUDA graphs (a graph per length would be recorded, and kept, for every new prompt length)
-PREFILL_OPTIONS = {"fullgraph": True, "dynamic": None}
+# how the prefills are compiled: one inductor graph for every prompt length (the token dimension is
+# symbolic), replayed as a CUDA graph recorded once per padded length (`PREFILL_BUCKET`)
+PREFILL_OPTIONS = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": None}
+# compiled prefills run padded up to a multiple of this many tokens (the padding rows are causal extra
+# tokens whose outputs are dropped), so a CUDA graph serves every prompt length of its bucket
+PREFILL_BUCKET = 64
 
 
 def _compiled(fn, enabled: bool):
@@ -174,19 +178,44 @@ def _compiled(fn, enabled: bool):
 
 def _prefill_compiled(fn, enabled: bool):
     """`fn(*tensors)` compiled once for any length of the tensors' token dimension (dim 0; a (1, 1, T, S)
-    mask: dim 2); one-token calls and `enabled=False` run `fn` as it is."""
+    mask: dim 2), outputs cloned as `_call` does; a length seen for the first time runs twice (CUDA graph
+    trees warm up, then record: the recording is not left to a timed call). One-token calls and
+    `enabled=False` run `fn` as it is."""
     if not enabled:
         return fn
     compiled = torch.compile(fn, **PREFILL_OPTIONS)
+    seen: set[int] = set()
 
     def call(*tensors: torch.Tensor):
-        if tensors[0].shape[0] < 2:  # a length of 1 would be specialised: a second graph for a rare case
+        length = tensors[0].shape[0]
+        if length < 2:  # a length of 1 would be specialised: a second graph for a rare case
             return fn(*tensors)
         for x in tensors:
             torch._dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 0)
-        return compiled(*tensors)
+        for _ in range(1 if length in seen else 2):  # idempotent: the same K/V written to the same slots
+            out = _call(compiled, True, *tensors)
+        seen.add(length)
+        return out
 
     return call
+
+
+def _bucket(length: int, limit: int) -> int:
+    """A compiled prefill's padded length: `length` rounded up to a multiple of PREFILL_BUCKET, at most `limit`."""
+    return max(length, min(-(-length // PREFILL_BUCKET) * PREFILL_BUCKET, limit))
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended along dim 0 up to `rows`."""
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])]) if rows > x.shape[0] else x
+
+
+def _pad_positions(positions: torch.Tensor, rows: int, limit: int) -> torch.Tensor:
+    """positions continued by one per appended row up to `rows`, kept below `limit` (the RoPE tables' length)."""
+    if rows == positions.shape[0]:
+        return positions
+    extra = positions[-1] + 1 + torch.arange(rows - positions.shape[0], device=positions.device)
+    return torch.cat([positions, extra.clamp_max(limit - 1)])
 
 
 def _static_buffers(module: nn.Module) -> None:
@@ -232,16 +261,27 @@ class StaticTarget:
         t = ids.shape[0]
         if self.length + t > self.capacity:
             raise EaglekitError(f"static KV cache full ({self.capacity} slots); raise max_length")
-        full = (self._columns < self.length).expand(t, -1).clone()  # the cached prefix, then the new tokens' mask
-        full[:, self.length : self.length + t] = mask
-        slots = torch.arange(self.length, self.length + t, device=self.device)
         if self.length == 0:  # the prefill: a new length for every prompt
-            logits, aux = self.prefill(ids, positions, slots, full[None, None])
+            logits, aux = self._prefill(ids, positions, mask)
         else:
+            full = (self._columns < self.length).expand(t, -1).clone()  # the cached prefix, then the new tokens' mask
+            full[:, self.length : self.length + t] = mask
+            slots = torch.arange(self.length, self.length + t, device=self.device)
             logits, aux = _call(self.step if self.compile else self.net, self.compile, ids, positions, slots, full[None, None])
         self.length += t
         self.last_length = t
         return logits, aux
+
+    def _prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        """The first forward, from slot 0; compiled, padded to its bucket by causal rows whose K/V land in slots
+        past the sequence (masked until overwritten) and whose outputs are dropped."""
+        t = ids.shape[0]
+        rows = _bucket(t, self.capacity) if self.compile else t
+        full = self._columns[None] <= torch.arange(rows, device=self.device)[:, None]  # (rows, capacity) causal
+        full[:t, :t] = mask
+        slots = torch.arange(rows, device=self.device)
+        logits, aux = self.prefill(_pad_rows(ids, rows), _pad_positions(positions, rows, self.capacity), slots, full[None, None])
+        return logits[:t], None if aux is None else aux[:t]
 
     def keep(self, nodes: torch.Tensor) -> None:
         base = self.length - self.last_length
@@ -317,6 +357,7 @@ class StaticDrafter:
         self.stable_length = 0
         self._columns = torch.arange(self.total, device=self.device)  # (capacity + draft_slots,)
         self._fused: dict = {}  # one-function steps (fused.py), by target and options shape
+        self.compile = compile
         self._prefill = _prefill_compiled(self._first_extend, compile)
         if compile:
             _static_buffers(self.net)
@@ -327,10 +368,12 @@ class StaticDrafter:
     def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
         """Append the accepted positions; the first call after `reset` is the prefill (compiled with
         `compile=True` for any prompt length)."""
-        stable = self.stable_length
-        self.stable_length += next_ids.shape[0]
-        if stable == 0:
-            return self._prefill(aux, next_ids, positions)
+        stable, t = self.stable_length, next_ids.shape[0]
+        self.stable_length += t
+        if stable == 0:  # padded like the target's prefill (`StaticTarget._prefill`)
+            rows = _bucket(t, self.capacity) if self.compile else t
+            hidden, logits = self._prefill(_pad_rows(aux, rows), _pad_rows(next_ids, rows), _pad_positions(positions, rows, self.capacity))
+            return hidden[:t], logits[:t]
         return self._extend(aux, next_ids, positions, stable)
 
     def _first_extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
