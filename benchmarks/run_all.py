@@ -306,7 +306,8 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
         def taus(side: dict) -> str:
             val = side.get("val") or {}
             bench = " ".join(f"{r['method']} {r['tau']:.2f}" for r in (side.get("bench") or {}).get("rows", []) if "tau" in r)
-            return f"val tau {val.get('tau', '-')}, bench tau {bench or '-'}"
+            tau = f"{val['tau']:.2f}" if isinstance(val.get("tau"), float) else "-"
+            return f"val tau {tau}, bench tau {bench or '-'}"
         speed.append(f"- peer (speculators, {peer.get('status')}): eaglekit {taus(peer.get('eaglekit') or {})}; "
                      f"peer {taus(peer.get('peer') or {})}")
     if speed:
