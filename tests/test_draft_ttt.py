@@ -71,6 +71,20 @@ def test_shift_and_masks_golden() -> None:
     assert expected_acceptance([0.5, 0.5]) == pytest.approx(1.75)
 
 
+def test_mean_mask_counts_match_step_masks() -> None:
+    """The per-step token counts step_weighting=tokens divides by are the mean sizes of step_masks' accuracy
+    masks, for records of mixed lengths (some shorter than the steps, some cut by max_length)."""
+    from eaglekit.draft.data import mean_mask_counts, pad_stack
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = [(torch.zeros(n, dtype=torch.long), (torch.rand(n, generator=generator) < 0.6).long()) for n in (1, 3, 9, 40, 75)]
+    steps, max_length, indices = 5, 50, [4, 0, 2, 3, 1, 3]
+    masks = pad_stack([tokens[i][1][:max_length].bool() for i in indices], max_length, False)
+    expected = step_masks(masks, torch.ones_like(masks), steps)[1].sum(dim=(1, 2)).float() / len(indices)
+    assert torch.equal(mean_mask_counts(tokens, indices, max_length, steps), expected)
+    assert torch.equal(mean_mask_counts(tokens, [], max_length, steps), torch.zeros(steps))
+
+
 def test_soft_labels_chunked_matches_full() -> None:
     torch.manual_seed(1)
     final, weight = torch.randn(2, 5, 8), torch.randn(30, 8)

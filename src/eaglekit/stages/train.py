@@ -48,9 +48,9 @@ class Config:
     warmup_steps: int = option(-1, "linear warmup steps; -1 = 3% of the total")
     min_lr_ratio: float = option(0.0, "cosine decays to lr * min_lr_ratio")
     grad_clip: float = option(1.0, "gradient norm clip (0 = off)")
-    step_weighting: str = option("equal", "equal: each step's loss is the mean over its own loss tokens (every step weighs "
-                                 "the same); tokens: the sum over them divided by the mean count per step (every token "
-                                 "weighs the same, as in packed training)", choices=("equal", "tokens"))
+    step_weighting: str = option("tokens", "tokens: a step's loss is the sum over its loss tokens divided by the mean count "
+                                 "per step (every token weighs the same, as in packed training); equal: the mean over "
+                                 "its own loss tokens (every step weighs the same)", choices=("tokens", "equal"))
     val_fraction: float = option(0.05, "share of records held out for validation")
     val_every: int = option(0, "validate every N optimizer steps (0 = at each epoch end only)")
     save_every: int = option(500, "checkpoint every N optimizer steps (and at each epoch end)")
