@@ -74,7 +74,7 @@ INSTALL_HINT = (f"python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install
 # extend_mask_for_draft_tokens), so a packed length off that grid fails at the second TTT step (H200, 2026-12-03:
 # "block_mask was created for ... (1, 1, 768, 1536) but got q_len=648 and kv_len=1296")
 FLEX_BLOCK = 128
-EAGLEKIT_SETTINGS = ("ttt_steps", "step_decay", "lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio", "grad_clip", "step_weighting",
+EAGLEKIT_SETTINGS = ("ttt_steps", "step_decay", "lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio", "grad_clip", "step_weighting", "init_std",
                      "lm_head_init", "freeze_lm_head", "batch_size", "grad_accum", "max_length", "epochs", "max_steps", "seed", "device",
                      "dtype", "attention")  # eaglekit's train options the report lists beside the peer's
 LABEL_CHECK_TOKENS = 2048  # validation tokens on which eaglekit's and the peer's soft labels are compared
@@ -503,7 +503,10 @@ def differences(args: Any, trainer: Any, settings: dict[str, Any], eaglekit_tps:
         "on, and eaglekit's import refuses them) and full attention (speculators defaults to a 2048-token sliding window)",
         "precision: speculators saves checkpoints in bf16 (train/checkpointer.py save_checkpoint), so the peer is measured with "
         "bf16-rounded weights; eaglekit's drafter is stored in fp32",
-        "initialisation: each trainer's own scheme and random stream (the same seed value does not give the same weights)",
+        "initialisation: speculators draws every linear layer from N(0, 0.02) (transformers' PreTrainedModel._init_weights); "
+        + (f"eaglekit from N(0, {c.init_std}) (init_std)" if c.init_std > 0 else "eaglekit keeps torch's default (uniform, std "
+           "1/sqrt(3 fan_in); init_std=0.02 is speculators' scheme)")
+        + "; the random streams differ (the same seed value does not give the same weights)",
     ]
     if args.device != c.device and c.device != "auto":
         out.append(f"device: eaglekit's drafter was trained on {c.device}, the peer on {args.device}")

@@ -168,6 +168,20 @@ def test_lm_head_starts_from_the_targets_rows_and_can_stay_frozen(chat_target, d
     assert (drafter.lm_head.weight - rows).norm() > 0.5 * rows.norm()
 
 
+def test_init_std_draws_a_fresh_drafters_layers_from_a_normal(chat_target, data_file, tmp_path):
+    stds = {}
+    for init_std in (0.0, 0.2):
+        out = tmp_path / f"std-{init_std}"
+        stage.run(options(chat_target, data_file, out, init_std=init_std, lr=1e-7, lm_head_init="random"))
+        drafter = Eagle3Drafter.from_pretrained(out)
+        stds[init_std] = {name: float(p.std()) for name, p in drafter.named_parameters() if p.dim() == 2 and name != "embed_tokens.weight"}
+    assert all(abs(std - 0.2) < 0.02 for std in stds[0.2].values()), stds[0.2]
+    assert all(std < 0.15 for std in stds[0.0].values()), stds[0.0]  # torch's default: 1/sqrt(3 fan_in)
+    for bad in (dict(init_std=-0.1), dict(init_std=0.02, init_from=str(tmp_path / "std-0.0"))):
+        with pytest.raises(EaglekitError, match="init_std"):
+            stage.run(options(chat_target, data_file, tmp_path / "bad", **bad))
+
+
 def test_token_step_weighting_weighs_every_token_the_same(chat_target, data_file, tmp_path):
     """step_weighting=tokens: two one-record steps give twice the gradient of one equal-weighted step over both
     records (what packed training does); with equal weighting the short record would count as much as the long one."""

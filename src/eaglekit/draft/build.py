@@ -147,6 +147,15 @@ def check_against_target(config: DrafterConfig, text_config: Any, source: str) -
                             "wrong target or drafter")
 
 
+def normal_init(drafter: Eagle3Drafter, std: float) -> None:
+    """Every linear layer's weight drawn from N(0, std) (Hugging Face's `_init_weights`, which speculators and
+    SpecForge drafters get, at std = 0.02), instead of torch's default (uniform, std 1/sqrt(3 fan_in))."""
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, std)
+
+
 def prepare_drafter(
     options: Any,  # stages.train.Config
     text_config: Any,
@@ -163,6 +172,8 @@ def prepare_drafter(
         mapping = vocab or select_vocab(count_tokens_fn(), options.draft_vocab_size)
         config = drafter_config_for(text_config, int(mapping.used_ids.numel()), aux_layers, options.target, architecture)
         drafter = Eagle3Drafter(config)
+        if options.init_std > 0:
+            normal_init(drafter, options.init_std)
         drafter.set_vocab_mapping(mapping.used_ids)
         note = f"from {options.vocab}" if vocab else "built from the training data"
         return drafter, f"{note} (coverage {select_coverage(mapping, count_tokens_fn):.2%})"

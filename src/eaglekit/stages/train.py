@@ -31,6 +31,8 @@ class Config:
     lm_head_init: str = option("target", "a fresh drafter's lm_head: target = the target's lm_head rows of the draft vocabulary "
                                "(the logits the drafter learns to match), random", choices=("target", "random"))
     freeze_lm_head: bool = option(False, "keep lm_head fixed while training (speculators' choice; with lm_head_init=target)")
+    init_std: float = option(0.0, "a fresh drafter's linear layers: 0 = torch's default init (uniform, std 1/sqrt(3 fan_in)); "
+                             "> 0 = normal with this std (Hugging Face's scheme, speculators' drafters: 0.02)")
     aux_layers: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids; empty = (2, L//2, L-3) or init_from's")
     ttt_steps: int = option(7, "training-time-test steps K")
     step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k")
