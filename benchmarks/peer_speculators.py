@@ -75,7 +75,7 @@ INSTALL_HINT = (f"python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install
 # "block_mask was created for ... (1, 1, 768, 1536) but got q_len=648 and kv_len=1296")
 FLEX_BLOCK = 128
 EAGLEKIT_SETTINGS = ("ttt_steps", "step_decay", "lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio", "grad_clip", "step_weighting", "init_std",
-                     "lm_head_init", "freeze_lm_head", "batch_size", "grad_accum", "max_length", "epochs", "max_steps", "seed", "device",
+                     "lm_head_init", "freeze_lm_head", "batch_size", "grad_accum", "max_length", "epochs", "max_steps", "seed", "split_seed", "device",
                      "dtype", "attention")  # eaglekit's train options the report lists beside the peer's
 LABEL_CHECK_TOKENS = 2048  # validation tokens on which eaglekit's and the peer's soft labels are compared
 
@@ -220,7 +220,7 @@ def convert(trainer: Any, norm_weight: torch.Tensor, data: Path, hs_dtype: torch
     from eaglekit.draft.data import split_indices
 
     source, config = trainer.source, trainer.config
-    train_idx, val_idx = split_indices(len(source), config.val_fraction, config.seed)  # eaglekit's split, as its trainer makes it
+    train_idx, val_idx = split_indices(len(source), config.val_fraction, config.split_seed)  # eaglekit's split, as its trainer makes it
     assert (train_idx, val_idx) == (trainer.train_idx, trainer.val_idx)
     if any(w.abs() < 1e-6 for w in norm_weight):
         raise SystemExit("the target's final norm has zero weights: the post-norm states eaglekit stores cannot be turned back")

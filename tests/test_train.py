@@ -182,6 +182,24 @@ def test_init_std_draws_a_fresh_drafters_layers_from_a_normal(chat_target, data_
             stage.run(options(chat_target, data_file, tmp_path / "bad", **bad))
 
 
+def test_seed_leaves_the_validation_split_to_split_seed(chat_target, data_file, tmp_path):
+    import contextlib
+
+    from eaglekit.draft.setup import setup
+    from eaglekit.draft.train import Trainer, setup_distributed
+
+    def split(**extra):
+        config = options(chat_target, data_file, tmp_path / "run", **extra)
+        with contextlib.ExitStack() as stack:
+            d = setup_distributed("cpu")
+            trainer = Trainer(config, d, *setup(config, d, stack))
+            return trainer.val_idx, float(trainer.drafter.fc.weight.sum())
+
+    (val, fc), (val_seed, fc_seed), (val_split, _) = split(), split(seed=1), split(split_seed=1)
+    assert val == val_seed and fc != fc_seed  # another seed: other weights, the same validation records
+    assert val != val_split
+
+
 def test_token_step_weighting_weighs_every_token_the_same(chat_target, data_file, tmp_path):
     """step_weighting=tokens: two one-record steps give twice the gradient of one equal-weighted step over both
     records (what packed training does); with equal weighting the short record would count as much as the long one."""

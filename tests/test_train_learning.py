@@ -35,7 +35,7 @@ def unigram_baseline(config) -> float:
     from eaglekit.target.loading import load_target, load_tokenizer
 
     records = sorted(conversation_records(config.data, load_tokenizer("tiny"), config.max_length), key=lambda r: r["id"])
-    train_idx, val_idx = split_indices(len(records), config.val_fraction, config.seed)
+    train_idx, val_idx = split_indices(len(records), config.val_fraction, config.split_seed)
     counts = Counter(t for i in train_idx for t in records[i]["input_ids"][records[i]["loss_mask"]].tolist())
     top = counts.most_common(1)[0][0]
     target = load_target("tiny")

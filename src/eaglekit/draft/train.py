@@ -126,7 +126,7 @@ class Trainer:
         self.checkpoints = self.output / "checkpoints"
         self.amp = _amp_dtype(config.dtype, d.device)
         self.pad_to = pad_multiple(config.pad_to_multiple, d.device)
-        self.train_idx, self.val_idx = split_indices(len(source), config.val_fraction, config.seed)
+        self.train_idx, self.val_idx = split_indices(len(source), config.val_fraction, config.split_seed)
         self.micro_batches = len(epoch_batches(self.train_idx, source.lengths, config.batch_size, d.world, config.seed, 0))
         if self.micro_batches == 0:
             raise EaglekitError(f"{len(self.train_idx)} training records are fewer than one batch of {config.batch_size * d.world} "

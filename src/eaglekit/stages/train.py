@@ -59,7 +59,9 @@ class Config:
     keep_checkpoints: int = option(2, "checkpoints kept on disk")
     resume: bool = option(False, "continue from the latest checkpoint in output")
     log_every: int = option(10, "train metrics line every N optimizer steps")
-    seed: int = option(0, "seed for initialisation, split and data order")
+    seed: int = option(0, "seed for initialisation and data order")
+    split_seed: int = option(0, "seed of the train/validation split (kept apart from `seed`, so runs that differ in seed are "
+                             "validated on the same records)")
     device: str = option("auto", "auto, cpu, cuda, cuda:N (torchrun: the local rank's GPU)")
     device_map: str = option("", "online mode, one process: spread a target too large for one GPU over the GPUs "
                              "(e.g. auto, passed to from_pretrained); its states are moved to `device` for the drafter")
