@@ -189,6 +189,27 @@ def test_compiled_prefills_run_padded_to_their_bucket(monkeypatch):
     assert static._bucket(1, 500) == static.PREFILL_BUCKET and static._bucket(300, 280) == 300
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_prefill_logits_for_the_last_token_only(kind):
+    """Decoding's prefill asks for the last token's logits only (`last_only`): the static backend runs the lm_head on
+    that row, HF models get logits_to_keep=1; both equal the last row of a full forward."""
+    from eaglekit.decode.backends import HFTarget
+    from eaglekit.decode.static import StaticTarget
+
+    target = tiny_target(kind)
+    n = len(PROMPT)
+    ids, positions, mask = torch.tensor(PROMPT), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+    reference = target(ids[None]).logits[0]  # (n, V)
+    assert HFTarget(target, None).keeps_logits  # transformers' models take logits_to_keep
+    backends = [lambda: HFTarget(target, None)] + ([lambda: StaticTarget(target, 64, None)] if kind == "llama" else [])
+    with torch.inference_mode():
+        for make in backends:
+            full, _ = make().forward(ids, positions, mask)
+            last, _ = make().forward(ids, positions, mask, last_only=True)
+            assert full.shape == reference.shape and last.shape == (1, reference.shape[1])
+            assert torch.allclose(full, reference, atol=1e-4) and torch.allclose(last[0], reference[-1], atol=1e-4)
+
+
 def always_right_pair():
     """A real target and a real EAGLE-3 drafter (so the static fused path runs) that always agree: the target's
     final norm is zero, so its logits are all 0 and greedy picks id 0; every draft id maps to target id 0."""

@@ -69,13 +69,18 @@ class HFTarget:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         # transformers >= 5.2x names the cache kwarg `cache`; earlier 5.x `past_key_values`
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self.keeps_logits = "logits_to_keep" in parameters  # custom (remote) code may not take it: then sliced after
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, last_only: bool = False):
+        """-> logits (T, V) of the new tokens (with `last_only`, (1, V): the last one's), aux states (T, 3H) or None."""
         prefix = torch.ones(ids.shape[0], self.length, dtype=torch.bool, device=ids.device)
         full = additive_mask(torch.cat([prefix, mask], dim=1), self.dtype)  # (1, 1, T, S+T)
         kwargs = dict(input_ids=ids[None], position_ids=positions[None], attention_mask=full,
                       use_cache=True, **{self.cache_kwarg: self.cache})
+        if last_only and self.keeps_logits:
+            kwargs["logits_to_keep"] = 1
         if self.aux_layers is None:
             logits, aux = self.model(**kwargs).logits[0], None
         else:
@@ -84,7 +89,7 @@ class HFTarget:
                 aux = capture.aux()[0]  # (T, 3H)
         self.length += ids.shape[0]
         self.last_length = ids.shape[0]
-        return logits, aux
+        return (logits[-1:] if last_only else logits), aux
 
     def keep(self, nodes: torch.Tensor) -> None:
         base = self.length - self.last_length

@@ -212,7 +212,7 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     n = prompt.shape[0]
     start_time = time.perf_counter()
     logits, aux = target_backend.forward(prompt, torch.arange(n, device=device),
-                                         torch.ones(n, n, dtype=torch.bool, device=device).tril())
+                                         torch.ones(n, n, dtype=torch.bool, device=device).tril(), last_only=True)
     token = choose(logits[-1], options.temperature, options.top_k, options.top_p, generator)  # ()
     stats.target_forwards += 1
     done = out.add([int(token)])

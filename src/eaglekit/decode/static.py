@@ -141,11 +141,12 @@ class StaticLlama(nn.Module):
         """-> logits (T, V), aux states (T, 3H) in `aux_layers` order (None without aux layers)."""
         return self._forward(ids, positions, slots, mask, fixed_shape=True)
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
-        """`forward` for any number of tokens (compiled once with a symbolic length; no cuDNN attention)."""
-        return self._forward(ids, positions, slots, mask, fixed_shape=False)
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor):
+        """`forward` for any number of tokens (compiled once with a symbolic length; no cuDNN attention), logits
+        only for `rows` (decoding asks for the prompt's last token, the one it goes on from)."""
+        return self._forward(ids, positions, slots, mask, fixed_shape=False, rows=rows)
 
-    def _forward(self, ids, positions, slots, mask, fixed_shape: bool):
+    def _forward(self, ids, positions, slots, mask, fixed_shape: bool, rows: torch.Tensor | None = None):
         x = self.embed(ids[None])  # (1, T, H)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # (1, T, D)
         states = {}
@@ -157,7 +158,7 @@ class StaticLlama(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if len(self.layers) in wanted:
             states[len(self.layers)] = x
-        logits = self.lm_head(self.norm(x))[0]  # (T, V)
+        logits = self.lm_head(self.norm(x if rows is None else x[:, rows]))[0]  # (T, V), or (len(rows), V)
         aux = torch.cat([states[i] for i in self.aux_layers], dim=-1)[0] if self.aux_layers else None
         return logits, aux
 
@@ -190,8 +191,9 @@ def _prefill_compiled(fn, enabled: bool):
         length = tensors[0].shape[0]
         if length < 2:  # a length of 1 would be specialised: a second graph for a rare case
             return fn(*tensors)
-        for x in tensors:
-            torch._dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 0)
+        for x in tensors:  # the token dimension of each input that has one (a (1, 1, T, S) mask: dim 2)
+            if x.dim() == 4 or x.shape[0] == length:
+                torch._dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 0)
         for _ in range(1 if length in seen else 2):  # idempotent: the same K/V written to the same slots
             out = _call(compiled, True, *tensors)
         seen.add(length)
@@ -257,12 +259,15 @@ class StaticTarget:
         """Forget the cached sequence (the buffers are reused; stale slots are masked out)."""
         self.length = self.last_length = 0
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, last_only: bool = False):
+        """-> logits (T, V) of the new tokens (with `last_only`, (1, V): the last one's), aux states (T, 3H) or None.
+        The first call after `reset` is the prefill: decoding calls it with `last_only`, so the lm_head runs on
+        one row instead of the whole prompt."""
         t = ids.shape[0]
         if self.length + t > self.capacity:
             raise EaglekitError(f"static KV cache full ({self.capacity} slots); raise max_length")
         if self.length == 0:  # the prefill: a new length for every prompt
-            logits, aux = self._prefill(ids, positions, mask)
+            logits, aux = self._prefill(ids, positions, mask, last_only)
         else:
             full = (self._columns < self.length).expand(t, -1).clone()  # the cached prefix, then the new tokens' mask
             full[:, self.length : self.length + t] = mask
@@ -270,9 +275,9 @@ class StaticTarget:
             logits, aux = _call(self.step if self.compile else self.net, self.compile, ids, positions, slots, full[None, None])
         self.length += t
         self.last_length = t
-        return logits, aux
+        return (logits[-1:] if last_only else logits), aux
 
-    def _prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    def _prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, last_only: bool):
         """The first forward, from slot 0; compiled, padded to its bucket by causal rows whose K/V land in slots
         past the sequence (masked until overwritten) and whose outputs are dropped."""
         t = ids.shape[0]
@@ -280,8 +285,9 @@ class StaticTarget:
         full = self._columns[None] <= torch.arange(rows, device=self.device)[:, None]  # (rows, capacity) causal
         full[:t, :t] = mask
         slots = torch.arange(rows, device=self.device)
-        logits, aux = self.prefill(_pad_rows(ids, rows), _pad_positions(positions, rows, self.capacity), slots, full[None, None])
-        return logits[:t], None if aux is None else aux[:t]
+        keep = torch.full((1,), t - 1, device=self.device) if last_only else torch.arange(t, device=self.device)
+        logits, aux = self.prefill(_pad_rows(ids, rows), _pad_positions(positions, rows, self.capacity), slots, full[None, None], keep)
+        return logits, None if aux is None else aux[:t]
 
     def keep(self, nodes: torch.Tensor) -> None:
         base = self.length - self.last_length
