@@ -202,9 +202,10 @@ def _prefill_compiled(fn, enabled: bool):
     return call
 
 
-def _bucket(length: int, limit: int) -> int:
-    """A compiled prefill's padded length: `length` rounded up to a multiple of PREFILL_BUCKET, at most `limit`."""
-    return max(length, min(-(-length // PREFILL_BUCKET) * PREFILL_BUCKET, limit))
+def _bucket(length: int, limit: int, compiled: bool = True) -> int:
+    """A prefill's padded length: compiled, `length` rounded up to a multiple of PREFILL_BUCKET, at most `limit`;
+    else `length`."""
+    return max(length, min(-(-length // PREFILL_BUCKET) * PREFILL_BUCKET, limit)) if compiled else length
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -281,7 +282,7 @@ class StaticTarget:
         """The first forward, from slot 0; compiled, padded to its bucket by causal rows whose K/V land in slots
         past the sequence (masked until overwritten) and whose outputs are dropped."""
         t = ids.shape[0]
-        rows = _bucket(t, self.capacity) if self.compile else t
+        rows = _bucket(t, self.capacity, self.compile)
         full = self._columns[None] <= torch.arange(rows, device=self.device)[:, None]  # (rows, capacity) causal
         full[:t, :t] = mask
         slots = torch.arange(rows, device=self.device)
@@ -377,7 +378,7 @@ class StaticDrafter:
         stable, t = self.stable_length, next_ids.shape[0]
         self.stable_length += t
         if stable == 0:  # padded like the target's prefill (`StaticTarget._prefill`)
-            rows = _bucket(t, self.capacity) if self.compile else t
+            rows = _bucket(t, self.capacity, self.compile)
             hidden, logits = self._prefill(_pad_rows(aux, rows), _pad_rows(next_ids, rows), _pad_positions(positions, rows, self.capacity))
             return hidden[:t], logits[:t]
         return self._extend(aux, next_ids, positions, stable)

@@ -42,9 +42,11 @@ def _check(config: Any, world: int) -> None:
             raise EaglekitError(f"device_map={config.device_map} needs the accelerate package: pip install accelerate")
     if config.ttt_steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
         raise EaglekitError("ttt_steps, batch_size and grad_accum must be at least 1")
-    if config.init_std < 0 or (config.init_std > 0 and config.init_from):
-        raise EaglekitError(f"init_std={config.init_std} sets how a fresh drafter starts: a std > 0, and no init_from "
-                            f"(init_from={config.init_from or 'empty'} brings its own weights)")
+    if config.init_std < 0:
+        raise EaglekitError(f"init_std must be >= 0 (0 = torch's default initialisation), got {config.init_std}")
+    if config.init_std > 0 and config.init_from:
+        raise EaglekitError(f"init_std={config.init_std} initialises a fresh drafter, but init_from={config.init_from} brings its "
+                            "own weights: drop one of them")
     if config.resume is False and (Path(config.output) / "checkpoints" / "latest.json").is_file():
         raise EaglekitError(f"{config.output} holds checkpoints of an earlier run: pass resume=true to continue it, or use a new output")
 
