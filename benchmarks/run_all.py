@@ -74,8 +74,8 @@ GPU = {
                    device="cuda", compile=True, threads=16, max_positions=2048),
     # 1,200 steps: about 3 minutes on the H200 (1,046 to 1,301 fitted in 180 s, with the GPU tests beside it or
     # not; a wall budget made the target, and every figure after it, move between sessions: held-out loss
-    # 1.99 to 2.21). The draft LM keeps a wall budget, the drafter's (assisted generation's peer gets the same
-    # GPU time). 1.25 minutes: about the wall time of the EAGLE-3 drafter's 1,100 training steps on the H200 (800 took 55 s)
+    # 1.99 to 2.21). The draft LM keeps a wall budget, so that HF assisted generation's drafter gets the GPU
+    # time the EAGLE-3 drafter gets: 1.25 minutes, about the wall time of its 1,100 training steps on the H200
     "draft_lm": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, minutes=1.25),
     "run": {
         "regen": {"max_new_tokens": 160, "batch_size": 256},
