@@ -45,7 +45,7 @@ class Config:
                                   "shapes (padding is masked: same loss); 0 = auto: 128 on CUDA, 1 elsewhere")
     lr: float = option(1e-4, "peak learning rate (AdamW)")
     betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas (0.9, 0.95) in EAGLE's reference; 0.999 trained a better drafter "
-                                      "on the reference target (benchmarks/README.md, ninth session)")
+                                      "on the reference target (benchmarks/README.md)")
     weight_decay: float = option(0.0, "AdamW weight decay")
     warmup_steps: int = option(-1, "linear warmup steps; -1 = 3% of the total")
     min_lr_ratio: float = option(0.0, "cosine decays to lr * min_lr_ratio")
