@@ -59,6 +59,10 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     norm_before_residual: bool = False  # speculators option: residual taken after hidden_norm
+    drafter_arch: str = "llama"  # midlayer architecture: "llama" (this file) or another registered in MIDLAYERS
+    norm_before_fc: bool = False  # one RMSNorm `input_norm` (k*H_target) over the concatenated aux before `fc`
+    fc_norm: bool = False  # EAGLE 3.1: one RMSNorm `fc_norm.{i}` (H_target) per aux chunk before `fc`
+    norm_output: bool = False  # EAGLE 3.1: the next drafting step gets the post-`norm` hidden state
     target_name_or_path: str = ""
     target_architecture: str = ""
     target_num_layers: int = 0
@@ -70,6 +74,9 @@ class DrafterConfig:
             raise EaglekitError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}")
         if len(self.aux_layer_ids) != 3:
             raise EaglekitError(f"EAGLE-3 fuses exactly 3 target layers, got aux_layer_ids={self.aux_layer_ids}")
+        if self.fc_norm and self.norm_before_fc:
+            raise EaglekitError("fc_norm and norm_before_fc are mutually exclusive (one norm per aux chunk, or one over "
+                                "their concatenation): set one of them to false")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -206,6 +213,16 @@ class DraftDecoderLayer(nn.Module):
         return hidden, new_kv
 
 
+MIDLAYERS: dict[str, Any] = {"llama": DraftDecoderLayer}  # drafter_arch -> midlayer class (config) -> module
+
+
+def build_midlayer(config: DrafterConfig) -> nn.Module:
+    """The drafter's single decoder layer for `config.drafter_arch`."""
+    if config.drafter_arch not in MIDLAYERS:
+        raise EaglekitError(f"drafter_arch={config.drafter_arch!r} is not known; choose one of {sorted(MIDLAYERS)}")
+    return MIDLAYERS[config.drafter_arch](config)
+
+
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 draft model. See the module docstring for the step contract."""
 
@@ -216,7 +233,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
-        self.midlayer = DraftDecoderLayer(config)
+        self.midlayer = build_midlayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
