@@ -318,13 +318,20 @@ class Eagle3Drafter(nn.Module):
         config_path, weights_path = directory / "config.json", directory / "model.safetensors"
         if not config_path.is_file() or not weights_path.is_file():
             raise EaglekitError(f"{directory} is not an eaglekit drafter (needs config.json and model.safetensors); use `eaglekit import` for EAGLE, SGLang, vLLM or speculators checkpoints")
-        data = json.loads(config_path.read_text())
+        try:
+            data = json.loads(config_path.read_text())
+        except json.JSONDecodeError as error:
+            raise EaglekitError(f"{config_path} is not valid JSON ({error}); re-run the stage that wrote it") from None
         if data.get("format") != FORMAT:
             raise EaglekitError(f"{config_path} is not in eaglekit format; convert it with `eaglekit import --source {directory}`")
         config = DrafterConfig.from_dict(data)
         with torch.device("meta"):
             model = cls(config)
-        state = load_file(str(weights_path))
+        try:
+            state = load_file(str(weights_path))
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (no public base class)
+            raise EaglekitError(f"{weights_path} is damaged or not a safetensors file ({error}); re-run the stage that "
+                                "wrote it, or copy the drafter again") from None
         missing = set(model.state_dict()) - set(state) - {"embed_tokens.weight"}
         unexpected = set(state) - set(model.state_dict())
         if missing or unexpected:
