@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
@@ -329,7 +330,7 @@ class Eagle3Drafter(nn.Module):
             model = cls(config)
         try:
             state = load_file(str(weights_path))
-        except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (no public base class)
+        except (SafetensorError, OSError) as error:
             raise EaglekitError(f"{weights_path} is damaged or not a safetensors file ({error}); re-run the stage that "
                                 "wrote it, or copy the drafter again") from None
         missing = set(model.state_dict()) - set(state) - {"embed_tokens.weight"}
