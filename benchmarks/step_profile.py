@@ -146,15 +146,14 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     prompt = list(range(1, 33))
     if args.target:
-        from eaglekit.data import read_conversations
+        from eaglekit.data import prompt_messages, read_conversations
         from eaglekit.decode.setup import load_drafter, prompt_ids
-        from eaglekit.stages.bench import _prompt_messages
         from eaglekit.target.loading import load_target, load_tokenizer
 
         model = load_target(args.target, device, dtype)
         drafter = load_drafter(args.drafter, model, device, dtype)
         if args.prompt_file:
-            prompt = prompt_ids(load_tokenizer(args.target), _prompt_messages(read_conversations(args.prompt_file)[0]))
+            prompt = prompt_ids(load_tokenizer(args.target), prompt_messages(read_conversations(args.prompt_file)[0]))
     else:
         model = build_model(SHAPE_SMOKE if args.smoke else SHAPE_REFERENCE, device, dtype)
         drafter = random_drafter(model, device, dtype)

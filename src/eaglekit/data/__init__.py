@@ -3,7 +3,7 @@ target's chat template and mark the assistant tokens the drafter learns from (do
 
 from eaglekit.data.conversation import Conversation, Message, content_id, parse_record
 from eaglekit.data.readers import ReadResult, load_conversations, read_conversations
-from eaglekit.data.tokenize import TokenizedRecord, render, resolve_chat_template, template_messages, tokenize_conversation
+from eaglekit.data.tokenize import TokenizedRecord, prompt_messages, render, resolve_chat_template, template_messages, tokenize_conversation
 
 __all__ = [
     "Conversation",
@@ -13,6 +13,7 @@ __all__ = [
     "content_id",
     "load_conversations",
     "parse_record",
+    "prompt_messages",
     "read_conversations",
     "render",
     "resolve_chat_template",

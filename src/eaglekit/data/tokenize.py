@@ -67,6 +67,17 @@ def template_messages(conversation: Conversation) -> list[dict[str, str]]:
     return out
 
 
+def prompt_messages(conversation: Conversation) -> list[dict[str, str]]:
+    """The conversation up to (not including) its last assistant turn, as `template_messages` gives it:
+    the prompt a generation answers."""
+    messages = template_messages(conversation)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise EaglekitError(f"conversation {conversation.id} has no user turn to use as a prompt")
+    return messages
+
+
 def render(tokenizer: Any, messages: list[dict[str, str]], template: str, add_generation_prompt: bool = False) -> str:
     """The chat template applied to `messages`, as text (special tokens written out)."""
     import jinja2

@@ -58,18 +58,6 @@ class Config:
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
 
 
-def _prompt_messages(conversation) -> list[dict[str, str]]:
-    """The conversation up to (not including) its last assistant turn."""
-    from eaglekit.data import template_messages
-
-    messages = template_messages(conversation)
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    if not messages:
-        raise EaglekitError(f"conversation {conversation.id} has no user turn to use as a prompt")
-    return messages
-
-
 def _sync(device) -> None:
     import torch
 
@@ -191,7 +179,7 @@ def _check(config: Config) -> list[str]:
 
 
 def run(config: Config) -> dict[str, Any]:
-    from eaglekit.data import read_conversations
+    from eaglekit.data import prompt_messages, read_conversations
     from eaglekit.decode.setup import eos_ids, load_drafter, prompt_ids, resolve_backend
     from eaglekit.manifest import atomic_write_json, atomic_write_text, environment, write_manifest
     from eaglekit.runtime import resolve_device, resolve_dtype
@@ -209,7 +197,7 @@ def run(config: Config) -> dict[str, Any]:
     tokenizer = load_tokenizer(config.target, config.trust_remote_code)
     drafter = load_drafter(config.drafter, target, device, dtype) if config.drafter else None
     assistant = load_target(config.assistant, device, dtype, config.trust_remote_code) if "hf_assisted" in methods else None
-    prompts = [prompt_ids(tokenizer, _prompt_messages(c)) for c in conversations]
+    prompts = [prompt_ids(tokenizer, prompt_messages(c)) for c in conversations]
     backend = resolve_backend(config.backend, target)
     runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device,
                      max(len(p) for p in prompts))
