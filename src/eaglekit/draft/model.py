@@ -64,6 +64,12 @@ class DrafterConfig:
     norm_before_fc: bool = False  # one RMSNorm `input_norm` (k*H_target) over the concatenated aux before `fc`
     fc_norm: bool = False  # EAGLE 3.1: one RMSNorm `fc_norm.{i}` (H_target) per aux chunk before `fc`
     norm_output: bool = False  # EAGLE 3.1: the next drafting step gets the post-`norm` hidden state
+    # drafter_arch="mla" only (eaglekit.draft.mla; DeepSeek's names): latent ranks and per-head dims
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     target_name_or_path: str = ""
     target_architecture: str = ""
     target_num_layers: int = 0
@@ -196,6 +202,11 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(llama)
 
+    @staticmethod
+    def rotary_embedding(config: DrafterConfig) -> nn.Module:
+        """The module that turns position ids into the (cos, sin) this layer's attention takes."""
+        return LlamaRotaryEmbedding(config.llama_config())
+
     def forward(
         self,
         embeds: torch.Tensor,  # (B, T, H) embedding of the next token
@@ -217,11 +228,21 @@ class DraftDecoderLayer(nn.Module):
 MIDLAYERS: dict[str, Any] = {"llama": DraftDecoderLayer}  # drafter_arch -> midlayer class (config) -> module
 
 
-def build_midlayer(config: DrafterConfig) -> nn.Module:
-    """The drafter's single decoder layer for `config.drafter_arch`."""
+def midlayer_class(config: DrafterConfig) -> Any:
+    """The midlayer class for `config.drafter_arch` ("mla" registers itself from eaglekit.draft.mla)."""
     if config.drafter_arch not in MIDLAYERS:
         raise EaglekitError(f"drafter_arch={config.drafter_arch!r} is not known; choose one of {sorted(MIDLAYERS)}")
-    return MIDLAYERS[config.drafter_arch](config)
+    return MIDLAYERS[config.drafter_arch]
+
+
+def build_midlayer(config: DrafterConfig) -> nn.Module:
+    """The drafter's single decoder layer for `config.drafter_arch`."""
+    return midlayer_class(config)(config)
+
+
+def build_rotary(config: DrafterConfig) -> nn.Module:
+    """The RoPE module of `config.drafter_arch`'s midlayer: position ids (B, T) -> (cos, sin)."""
+    return midlayer_class(config).rotary_embedding(config)
 
 
 class Eagle3Drafter(nn.Module):
@@ -237,7 +258,7 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = build_midlayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+        self.rotary_emb = build_rotary(config)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
 
@@ -340,7 +361,7 @@ class Eagle3Drafter(nn.Module):
         if "embed_tokens.weight" not in state:
             state["embed_tokens.weight"] = torch.zeros(config.vocab_size, config.hidden_size)
         model.load_state_dict(state, assign=True, strict=True)
-        model.rotary_emb = LlamaRotaryEmbedding(config.llama_config())  # non-persistent buffers
+        model.rotary_emb = build_rotary(config)  # non-persistent buffers
         model.embed_tokens.weight.requires_grad_(False)
         return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 
