@@ -7,8 +7,10 @@ means the stage finished.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eaglekit import __version__
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -95,3 +99,70 @@ def read_manifest(directory: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text())
+
+
+OWNER_FILE = ".eaglekit-stage"  # names the stage that writes into a directory, from its start (the manifest comes last)
+BOOKKEEPING = {OWNER_FILE, ".run-key", ".run-done"}  # eaglekit's own markers: they do not make a directory "not empty"
+
+
+def directory_owner(directory: str | Path) -> str | None:
+    """The stage that claimed `directory` (its owner file, else its manifest), or None."""
+    directory = Path(directory)
+    for path in (directory / OWNER_FILE, directory / "manifest.json"):
+        try:
+            stage = json.loads(path.read_text()).get("stage")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(stage, str) and stage:
+            return stage
+    return None
+
+
+def claim_output(directory: str | Path, stage: str, overwrite: bool = False) -> Path:
+    """Make `directory` the output of `stage`, refusing to write into a file or into a non-empty directory
+    that another stage (or no eaglekit stage) wrote, unless `overwrite`. Every stage calls this first;
+    re-running or resuming a stage into its own directory is allowed."""
+    from eaglekit.errors import EaglekitError
+
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise EaglekitError(f"output {directory} is a file, not a directory: pass output= a directory path "
+                            "(a new one, or one this stage wrote)")
+    owner = directory_owner(directory) if directory.is_dir() else None
+    foreign = [p.name for p in directory.iterdir() if p.name not in BOOKKEEPING] if directory.is_dir() else []
+    if foreign and owner != stage:
+        written_by = f"was written by `eaglekit {owner}`" if owner else "was not written by eaglekit"
+        if not overwrite:
+            raise EaglekitError(f"output {directory} is not empty and {written_by} (it holds {', '.join(sorted(foreign)[:3])}"
+                                f"{', ...' if len(foreign) > 3 else ''}): choose a new output directory, or pass "
+                                "overwrite=true to write into it anyway")
+        log.warning("overwrite=true: writing `%s` output into %s, which %s", stage, directory, written_by)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if owner != stage:
+            atomic_write_json(directory / OWNER_FILE, {"stage": stage})
+    except OSError as error:
+        raise EaglekitError(f"cannot create output directory {directory}: {error.strerror or error}; "
+                            "pass output= a path you can write to") from None
+    return directory
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextmanager
+def write_errors(directory: str | Path, what: str = "output") -> Iterator[None]:
+    """Turn a full disk or a read-only/forbidden directory met while writing `directory` into one EaglekitError
+    naming the directory and the fix (the stage's own cleanup runs first: raise from inside its try/finally)."""
+    from eaglekit.errors import EaglekitError
+
+    try:
+        yield
+    except OSError as error:
+        if error.errno in DISK_FULL:
+            raise EaglekitError(f"disk full while writing the {what} in {directory}: free space there (or pass output= "
+                                "a directory on another disk), then re-run the same command; finished work is kept") from None
+        if error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise EaglekitError(f"cannot write the {what} in {directory} ({error.strerror}): pass output= a directory "
+                                "you can write to") from None
+        raise

@@ -13,12 +13,20 @@ from eaglekit.errors import EaglekitError
 log = logging.getLogger(__name__)
 
 
-def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype):
-    """An eaglekit drafter on `device`; a drafter saved without its embedding gets the target's."""
-    from eaglekit.draft.model import Eagle3Drafter
+def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype, target_name: str = ""):
+    """An eaglekit drafter on `device`, checked against `target` (refused when made for a structurally different
+    one); a drafter saved without its embedding gets the target's. `target_name` defaults to the loaded path."""
+    from pathlib import Path
 
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.draft.setup import check_drafter_target
+    from eaglekit.target.loading import missing_path_error
+
+    if not Path(path).exists():
+        raise missing_path_error(path, "drafter", "pass drafter= the directory `eaglekit train` or `eaglekit import` wrote")
     drafter = Eagle3Drafter.from_pretrained(path, device=device, dtype=dtype).eval()
     drafter.requires_grad_(False)
+    check_drafter_target(drafter.config, target.config, path, target_name or getattr(target.config, "_name_or_path", ""))
     if not bool(drafter.embed_tokens.weight.any()):
         drafter.load_target_embedding(target.get_input_embeddings().weight)
     if drafter.config.vocab_size != target.get_output_embeddings().weight.shape[0]:

@@ -64,15 +64,13 @@ def _tokenizer_hash(config: Any) -> str | None:
 
 def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Drafter, Any, dict[str, Any]]:
     """(drafter with vocab and target embedding, data source, identity for the manifest)."""
-    from transformers import AutoConfig
-
     from eaglekit.runtime import resolve_dtype
     from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, text_config, to_input_convention
     from eaglekit.target.identity import target_config_hash
-    from eaglekit.target.loading import load_target, load_tokenizer, resolve_target
+    from eaglekit.target.loading import load_target, load_target_config, load_tokenizer
 
     _check(config, d.world)
-    target_config = AutoConfig.from_pretrained(resolve_target(config.target), trust_remote_code=config.trust_remote_code)
+    target_config = load_target_config(config.target, trust_remote_code=config.trust_remote_code)
     tc = text_config(target_config)
     architecture = (getattr(target_config, "architectures", None) or [type(target_config).__name__])[0]
     target = None
@@ -92,6 +90,8 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Draft
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
     aux_layers = tuple(config.aux_layers) or default_aux_layers(int(tc.num_hidden_layers))
     drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts)
+    if config.init_from:
+        check_drafter_target(drafter.config, target_config, config.init_from, config.target)
     drafter.load_target_embedding(embed.detach().float().cpu())
     if not config.init_from and config.lm_head_init == "target":
         drafter.load_target_lm_head(head.detach())  # copies only the draft vocabulary's rows
@@ -129,3 +129,46 @@ def finish(config: Any, trainer: Any, state: dict[str, torch.Tensor], identity: 
               f"{', '.join(f'{a:.3f}' for a in val['acc_k'])}, estimated tau {val['tau']:.2f}")
     else:
         print(f"drafter saved to {output} after {result['steps']} steps (no validation split)")
+
+
+def _short_name(name: str) -> str:
+    """A target's name for comparison: the built-in 'tiny' as its folder, then the last path/hub-id part."""
+    from eaglekit.target.loading import TINY_TARGET, tiny_target_path
+
+    name = str(tiny_target_path()) if name == TINY_TARGET else name
+    return Path(name.rstrip("/")).name.lower()
+
+
+def target_mismatches(drafter_config: Any, target_config: Any) -> list[str]:
+    """What differs structurally between the target a drafter records (DrafterConfig's target_* fields) and
+    `target_config`; unrecorded fields (empty, 0) are not compared."""
+    from eaglekit.target.capture import text_config, to_input_convention
+
+    text = text_config(target_config)
+    layers, problems = int(text.num_hidden_layers), []
+    architecture = (getattr(target_config, "architectures", None) or [""])[0]
+    if drafter_config.target_architecture and architecture and drafter_config.target_architecture != architecture:
+        problems.append(f"architecture {drafter_config.target_architecture} vs {architecture}")
+    if drafter_config.target_num_layers and drafter_config.target_num_layers != layers:
+        problems.append(f"{drafter_config.target_num_layers} layers vs {layers}")
+    if drafter_config.target_hidden_size != int(text.hidden_size):
+        problems.append(f"hidden size {drafter_config.target_hidden_size} vs {text.hidden_size}")
+    if drafter_config.vocab_size != int(text.vocab_size):
+        problems.append(f"vocabulary {drafter_config.vocab_size} vs {text.vocab_size}")
+    aux = to_input_convention(tuple(drafter_config.aux_layer_ids), drafter_config.aux_layer_convention)
+    if max(aux) > layers:
+        problems.append(f"aux layers {list(aux)} beyond the target's {layers} layers")
+    return problems
+
+
+def check_drafter_target(drafter_config: Any, target_config: Any, source: str, target_name: str) -> None:
+    """Refuse a drafter made for a structurally different target (the fix named); warn when only the name differs."""
+    recorded = drafter_config.target_name_or_path or "an unnamed target"
+    problems = target_mismatches(drafter_config, target_config)
+    if problems:
+        raise EaglekitError(f"drafter {source} was made for another target ({recorded}; drafter vs this target: "
+                            f"{'; '.join(problems)}): pass the target it was made for, or train/import a drafter "
+                            f"for {target_name}")
+    if drafter_config.target_name_or_path and target_name and _short_name(recorded) != _short_name(target_name):
+        log.warning("drafter %s was trained for %s, this target is %s: same architecture and shapes, so it is used; "
+                    "acceptance will be low if the weights differ", source, recorded, target_name)

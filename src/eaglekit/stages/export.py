@@ -36,6 +36,7 @@ class Config:
     dtype: str = option("keep", "weight dtype of the written checkpoint", choices=DTYPES)
     include_embedding: bool = option(True, "write embed_tokens.weight (off: the engine shares the target's embedding)")
     speculative_tokens: int = option(3, "speculators only: speculative_tokens of the greedy proposal method")
+    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by export")
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -43,7 +44,7 @@ def run(config: Config) -> dict[str, Any]:
 
     from eaglekit.draft.model import Eagle3Drafter
     from eaglekit.interop.convert import export_drafter
-    from eaglekit.manifest import file_sha256, write_manifest
+    from eaglekit.manifest import claim_output, file_sha256, write_errors, write_manifest
 
     if not config.drafter:
         raise EaglekitError("no drafter given: eaglekit export <drafter dir> --to vllm|sglang|speculators")
@@ -52,13 +53,15 @@ def run(config: Config) -> dict[str, Any]:
     if output.resolve() == source.resolve():
         raise EaglekitError("output must differ from the drafter directory; pass output=<new dir>")
     drafter = Eagle3Drafter.from_pretrained(source)
+    claim_output(output, "export", config.overwrite)
     (output / "manifest.json").unlink(missing_ok=True)  # its presence means "finished": not while files change
     dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
-    summary = export_drafter(drafter, output, config.to, dtype=dtype, include_embedding=config.include_embedding,
-                             speculative_tokens=config.speculative_tokens)
-    save_resolved(config, output, name="eaglekit_export.yaml")
-    write_manifest(output, "export", {"source": str(source), "summary": summary,
-                                      "weights_sha256": file_sha256(output / "model.safetensors")})
+    with write_errors(output, "exported checkpoint"):
+        summary = export_drafter(drafter, output, config.to, dtype=dtype, include_embedding=config.include_embedding,
+                                 speculative_tokens=config.speculative_tokens)
+        save_resolved(config, output, name="eaglekit_export.yaml")
+        write_manifest(output, "export", {"source": str(source), "summary": summary,
+                                          "weights_sha256": file_sha256(output / "model.safetensors")})
     log.info("wrote %s checkpoint to %s (aux ids as written: %s; probe logits max diff %.3g)", config.to, output,
              summary["config_aux_layer_ids"], summary["max_logit_difference"])
     print(f"exported {source} -> {output} ({config.to}); aux layer ids written: {summary['config_aux_layer_ids']} "

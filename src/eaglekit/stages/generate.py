@@ -60,7 +60,7 @@ def run(config: Config) -> dict[str, Any]:
     dtype = resolve_dtype(config.dtype, device)
     target = load_target(config.target, device, dtype, config.trust_remote_code)
     tokenizer = load_tokenizer(config.target, config.trust_remote_code)
-    drafter = load_drafter(config.drafter, target, device, dtype) if config.method != "plain" else None
+    drafter = load_drafter(config.drafter, target, device, dtype, config.target) if config.method != "plain" else None
     ids = prompt_ids(tokenizer, [{"role": "user", "content": config.prompt}], config.chat)
     backend = resolve_backend(config.backend, target)
     result = generate(target, drafter, ids, config.max_new_tokens, method=config.method, backend=backend,

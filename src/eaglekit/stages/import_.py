@@ -34,6 +34,7 @@ class Config:
     target: str = option("", "target model (dir, config.json or hub id): its layer count gives default aux layers")
     aux_layer_ids: tuple[int, ...] = option((), "override the aux layer ids (input-of-layer convention)")
     trust_remote_code: bool = option(False, "allow the target's own config code when reading `target`")
+    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by import")
 
 
 def _target_layers(target: str, trust_remote_code: bool) -> tuple[int | None, str, str]:
@@ -59,7 +60,7 @@ def _target_layers(target: str, trust_remote_code: bool) -> tuple[int | None, st
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.draft.model import DrafterConfig
     from eaglekit.interop.convert import import_checkpoint
-    from eaglekit.manifest import write_manifest
+    from eaglekit.manifest import claim_output, write_errors, write_manifest
 
     if not config.source:
         raise EaglekitError("no source given: eaglekit import <checkpoint dir> output=<dir>")
@@ -73,8 +74,13 @@ def run(config: Config) -> dict[str, Any]:
         if layers and max(drafter.config.aux_layer_ids) > layers:
             raise EaglekitError(f"aux layer ids {drafter.config.aux_layer_ids} exceed the target's {layers} layers: wrong target?")
     drafter.config = DrafterConfig.from_dict(data)
-    drafter.save_pretrained(output, include_embedding=bool(drafter.embed_tokens.weight.any()))
-    save_resolved(config, output, name="eaglekit_import.yaml")
+    if output.resolve() == source.resolve():
+        raise EaglekitError("output must differ from the source checkpoint's directory; pass output=<new dir>")
+    claim_output(output, "import", config.overwrite)
+    (output / "manifest.json").unlink(missing_ok=True)  # its presence means "finished": not while files change
+    with write_errors(output, "imported drafter"):
+        drafter.save_pretrained(output, include_embedding=bool(drafter.embed_tokens.weight.any()))
+        save_resolved(config, output, name="eaglekit_import.yaml")
     summary = {"source": str(source), "output": str(output), "aux_layer_ids": list(drafter.config.aux_layer_ids),
                "aux_layer_convention": drafter.config.aux_layer_convention,
                "draft_vocab_size": drafter.config.draft_vocab_size, "has_embedding": bool(drafter.embed_tokens.weight.any())}

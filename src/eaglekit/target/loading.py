@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import difflib
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +22,61 @@ def tiny_target_path() -> Path:
     return Path(__file__).resolve().parent.parent / "assets" / "tiny_target"
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")  # "name" or "org/name"
+
+
+def offline_mode() -> bool:
+    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) forbids downloads."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def looks_local(name: str) -> bool:
+    """A name that can only mean a path: starts with '.', '/' or '~', has a backslash or two slashes, is no valid
+    hub id, or its parent folder exists here (`runs/trian` when `runs/` exists)."""
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or not _HUB_ID.match(name):
+        return True
+    parent = Path(name).parent
+    return parent != Path(".") and parent.is_dir()
+
+
+def missing_path_error(name: str, what: str, fix: str) -> EaglekitError:
+    """'<what> NAME does not exist (did you mean SIBLING?); <fix>' for a path that is not there."""
+    path = Path(name).expanduser()
+    siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, siblings, n=1)
+    hint = f" (did you mean {path.parent / close[0]}?)" if close else ""
+    return EaglekitError(f"{what} {name} does not exist{hint}; {fix}")
+
+
+def _check_cached(name: str) -> None:
+    """In offline mode a hub id must be in the local Hugging Face cache: one error instead of retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise EaglekitError(f"target {name} is no local directory and is not in the Hugging Face cache, and offline mode "
+                            "is on (HF_HUB_OFFLINE=1): give the model's directory, or unset HF_HUB_OFFLINE to download it")
+
+
 def resolve_target(name_or_path: str) -> str:
-    """'tiny' -> the built-in target's directory; a path must exist; anything else is a hub id."""
+    """'tiny' -> the built-in target's directory; a path must exist; anything else is a hub id (checked against
+    the local cache in offline mode)."""
     if not name_or_path:
         raise EaglekitError("no target given: pass target=PATH (a model directory or hub id), or target=tiny")
     if name_or_path == TINY_TARGET:
         return str(tiny_target_path())
     path = Path(name_or_path).expanduser()
-    if path.exists() or name_or_path.startswith((".", "/", "~")):
+    if path.exists():
         if not (path / "config.json").is_file():
-            raise EaglekitError(f"target {name_or_path} is not a model directory (no config.json in it)")
+            kind = "a file" if path.is_file() else "a directory without config.json"
+            raise EaglekitError(f"target {name_or_path} is {kind}, not a model directory; give the folder that holds "
+                                "the model's config.json, or target=tiny")
         return str(path)
+    if looks_local(name_or_path):
+        raise missing_path_error(name_or_path, "target", "give an existing model directory (a folder with config.json), "
+                                 "a hub id such as org/name, or target=tiny")
+    if offline_mode():
+        _check_cached(name_or_path)
     return name_or_path
 
 
@@ -78,6 +125,7 @@ def load_target(
     device_map: str | None = None,
 ) -> torch.nn.Module:
     """The target model in eval mode, frozen. Multimodal wrappers load through their own auto class."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = resolve_target(name_or_path)
@@ -93,8 +141,9 @@ def load_target(
             break
         except ValueError as error:  # the auto class does not know this config type
             errors.append(f"{auto.__name__}: {error}")
-        except OSError as error:
-            raise EaglekitError(f"cannot load target weights from {name_or_path}: {error}") from None
+        except (OSError, SafetensorError) as error:
+            raise EaglekitError(f"cannot load target weights from {name_or_path}: {error}; re-download or re-save the "
+                                "checkpoint") from None
     if model is None:
         raise EaglekitError(f"no causal-LM class for target {name_or_path} ({type(config).__name__}): " + "; ".join(errors))
     if not device_map:
