@@ -5,7 +5,7 @@
     python benchmarks/extract_speed.py --batch-size 4 --seq-len 4096 --shard-dir /local/nvme/tmp
 
 "bare" is `forward_target` (the call extract makes: no KV cache, logits for the last position only)
-on device-resident ids. "extract" is the real extract loop (`eaglekit.stages.extract.extract_batches`:
+on device-resident ids. "extract" is the real extract loop (`eaglekit.target.extract.extract_batches`:
 padding/index build, hooks, hook-count and shape checks, padding strip, dtype conversion or float8
 quantisation, async copy on a copy stream into pinned shard buffers, background sha256 + atomic shard
 writes on extract's default writer threads, buffers and shard size unless given) timed
@@ -94,7 +94,7 @@ def time_bare(model: torch.nn.Module, ids: list[torch.Tensor], device: torch.dev
 
 def time_extract(model, ids: list[torch.Tensor], dtype: str, shard_dir: Path, args) -> dict:
     """Seconds, bytes and writer wait for the real extract loop over the same batches, flushed to disk."""
-    from eaglekit.stages.extract import Record, extract_batches
+    from eaglekit.target.extract import Record, extract_batches
     from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, find_decoder, text_config
     from eaglekit.target.shard_writer import ShardWriter
     from eaglekit.target.store import StoreLayout

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from eaglekit.data.conversation import Conversation
 from eaglekit.data.masking import SpanError, TurnRender, assistant_spans, mask_from_offsets, trim_turn_end
 from eaglekit.errors import EaglekitError
@@ -156,3 +158,39 @@ def tokenize_conversation(tokenizer: Any, conversation: Conversation, max_length
     if truncated:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
     return TokenizedRecord(conversation.id, input_ids, loss_mask, len(input_ids), truncated, full_length)
+
+
+@dataclass
+class TokenizedSet:
+    """The learnable records of a conversation set (each with an assistant token, ids unique) and counts of the rest."""
+
+    records: list[TokenizedRecord]
+    read: int  # conversations given
+    truncated: int  # records cut at max_length (kept)
+    no_assistant_tokens: int  # records dropped: nothing to learn from
+    duplicates: int  # records dropped: an id seen before
+
+    def stats(self) -> dict[str, int]:
+        return {"records_read": self.read, "truncated": self.truncated,
+                "no_assistant_tokens": self.no_assistant_tokens, "duplicates": self.duplicates}
+
+
+def tokenize_conversations(tokenizer: Any, conversations: list[Conversation], max_length: int | None,
+                           chat_template: str | None = None, desc: str = "tokenise") -> TokenizedSet:
+    """`tokenize_conversation` over a set, with a progress bar; keeps the records a drafter can learn from and
+    warns when some were truncated."""
+    records: dict[str, TokenizedRecord] = {}
+    truncated = empty = duplicates = 0
+    for conversation in tqdm(conversations, desc=desc, unit="conv", leave=False, disable=None):
+        record = tokenize_conversation(tokenizer, conversation, max_length, chat_template)
+        truncated += int(record.truncated)
+        if record.id in records:
+            duplicates += 1
+        elif not any(record.loss_mask):
+            empty += 1
+        else:
+            records[record.id] = record
+    if truncated:
+        log.warning("%d of %d records were longer than max_length=%d and were truncated", truncated,
+                    len(conversations), max_length)
+    return TokenizedSet(list(records.values()), len(conversations), truncated, empty, duplicates)
