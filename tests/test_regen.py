@@ -11,7 +11,7 @@ import pytest
 
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import regen, serve
-from eaglekit.stages.regen import _Progress, plan_turns, scan_finished
+from eaglekit.target.regen import Progress, plan_turns, scan_finished
 from eaglekit.target.backends import HFBackend, OpenAIBackend, SamplingParams
 
 RECORDS = [
@@ -94,15 +94,15 @@ def test_resume_after_crash_skips_finished_and_matches_uninterrupted(prompts, ch
     _hf(prompts, chat_target, tmp_path / "reference")
     reference = _records(tmp_path / "reference")
 
-    finish = _Progress.finish
+    finish = Progress.finish
     def crash_after_two(self, pending):  # simulate Ctrl-C after two records were written
         if self.counts["generated"] == 2:
             raise KeyboardInterrupt
         finish(self, pending)
-    monkeypatch.setattr(_Progress, "finish", crash_after_two)
+    monkeypatch.setattr(Progress, "finish", crash_after_two)
     with pytest.raises(KeyboardInterrupt):
         _hf(prompts, chat_target, tmp_path / "out")
-    monkeypatch.setattr(_Progress, "finish", finish)
+    monkeypatch.setattr(Progress, "finish", finish)
     output = tmp_path / "out" / "conversations.jsonl"
     assert len(scan_finished(output)) == 2 and not (tmp_path / "out" / "manifest.json").exists()
     with open(output, "a") as handle:  # and a half-written line, as a killed process leaves
