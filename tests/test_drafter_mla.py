@@ -1,0 +1,177 @@
+"""The MLA drafter (drafter_arch=mla): its attention against transformers' DeepSeek-V3 attention (RoPE interleave,
+YaRN), the cache/mask contract the decoder and TTT rely on, persistence, and configuration errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from eaglekit.draft import mla
+from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+from eaglekit.draft.ttt import soft_labels, ttt_forward
+from eaglekit.errors import EaglekitError
+
+H, HEADS, VOCAB = 32, 4, 96
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7}
+
+
+def mla_config(**overrides) -> DrafterConfig:
+    fields = dict(hidden_size=H, intermediate_size=64, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                  vocab_size=VOCAB, draft_vocab_size=48, target_hidden_size=H, aux_layer_ids=(1, 2, 3),
+                  drafter_arch="mla", q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=6,
+                  v_head_dim=10, rms_norm_eps=1e-6, max_position_embeddings=64)
+    return DrafterConfig(**{**fields, **overrides})
+
+
+def mla_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(mla_config(**overrides))
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if "norm" in name:  # non-trivial norm weights, so a swapped norm shows
+                parameter.uniform_(0.5, 1.5)
+        drafter.embed_tokens.weight.normal_()
+    drafter.set_vocab_mapping(torch.arange(0, VOCAB, 2))
+    return drafter.eval()
+
+
+def causal(t: int, past: int = 0) -> torch.Tensor:
+    return torch.ones(t, past + t, dtype=torch.bool).tril(past)[None, None]  # (1, 1, T, past + T)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0}, YARN], ids=["default", "yarn"])
+def test_attention_equals_transformers_deepseek_v3(rope):
+    """Our MLA attention = transformers' DeepseekV3Attention (interleaved RoPE, YaRN frequencies and both mscales)
+    built with a 2H-wide input and our o_proj."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    drafter = mla_drafter(rope_parameters=rope)
+    ours, c = drafter.midlayer.self_attn, drafter.config
+    hf_config = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                 q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=8,
+                                 qk_rope_head_dim=6, v_head_dim=10, rope_scaling=None if rope is not YARN else dict(rope),
+                                 rope_theta=10000.0, max_position_embeddings=64, rope_interleave=True,
+                                 rms_norm_eps=1e-6, attention_bias=False)
+    hf_config._attn_implementation = "eager"
+    reference = DeepseekV3Attention(hf_config, layer_idx=0)
+    reference.o_proj = ours.o_proj  # (H, nh*Dv): ours writes H, not the reference's 2H
+    reference.load_state_dict(ours.state_dict(), strict=True)
+    rotary = DeepseekV3RotaryEmbedding(hf_config)
+    x, positions = torch.randn(2, 7, 2 * H), torch.arange(3, 10).expand(2, 7)
+    mask = causal(7)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    expected = reference(x, rotary(x, positions), additive)[0]
+    cos, sin = drafter.rotary_emb(x, positions)
+    got, _ = ours(x, cos, sin, None, mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_yarn_scales_follow_vllm():
+    """cos/sin carry mscale(f, mscale)/mscale(f, mscale_all_dim); the softmax scale mscale(f, mscale_all_dim)^2;
+    attention_factor 1.0 (vLLM's llama-scaling case) drops the softmax factor."""
+    magnitude, softmax = mla.rope_scales(YARN)
+    assert magnitude == pytest.approx((0.1 * 0.9 * torch.log(torch.tensor(4.0)).item() + 1)
+                                      / (0.1 * 0.7 * torch.log(torch.tensor(4.0)).item() + 1))
+    assert softmax == pytest.approx((0.1 * 0.7 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
+    assert mla.rope_scales({**YARN, "attention_factor": 1.0})[1] == 1.0
+    assert mla.rope_scales({"rope_type": "default", "rope_theta": 5.0}) == (1.0, 1.0)
+
+
+def test_rotation_is_interleaved_pairs():
+    """Pair (2i, 2i+1) rotates by frequency i: position 1 turns (1, 0) of pair 0 by one radian."""
+    x = torch.zeros(1, 1, 1, 6)
+    x[..., 0] = 1.0
+    rotary = mla.MLARotaryEmbedding(mla_config())
+    cos, sin = rotary(x, torch.ones(1, 1, dtype=torch.long))
+    out = mla.rotate_interleaved(x, cos[:, None], sin[:, None])
+    expected = torch.zeros(6)
+    expected[0], expected[1] = torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))
+    torch.testing.assert_close(out.flatten(), expected)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0}, YARN], ids=["default", "yarn"])
+def test_cached_steps_equal_one_full_forward(rope):
+    """The caller-owned cache holds decompressed per-head keys/values: a prefix forward then one position at a
+    time with the cache gives what one causal forward over all positions gives (the decoder's contract)."""
+    drafter = mla_drafter(rope_parameters=rope)
+    hidden, ids = torch.randn(1, 6, H), torch.randint(0, VOCAB, (1, 6))
+    positions = torch.arange(6)[None]
+    full_hidden, full_logits, _ = drafter(hidden, ids, positions, None, causal(6))
+    out, logits, past = drafter(hidden[:, :3], ids[:, :3], positions[:, :3], None, causal(3))
+    assert past[0].shape == (1, HEADS, 3, 8 + 6) and past[1].shape == (1, HEADS, 3, 10)
+    outs, all_logits = [out], [logits]
+    for t in range(3, 6):
+        out, logits, (k, v) = drafter(hidden[:, t : t + 1], ids[:, t : t + 1], positions[:, t : t + 1], past, causal(1, t))
+        past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        outs.append(out)
+        all_logits.append(logits)
+    torch.testing.assert_close(torch.cat(outs, 1), full_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(all_logits, 1), full_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ttt_sdpa_and_flex_agree_and_train():
+    """TTT runs the MLA drafter through the same contract: the boolean-mask and block-mask paths agree, and a few
+    optimiser steps lower the loss."""
+    drafter = mla_drafter().train()
+    b, t = 2, 12
+    aux, ids = torch.randn(b, t, 3 * H), torch.randint(0, VOCAB, (b, t))
+    probs, in_vocab = soft_labels(torch.randn(b, t, VOCAB) * 3, drafter.t2d)
+    loss_mask = torch.ones(b, t, dtype=torch.bool)
+    with torch.no_grad():  # flex attention has no CPU backward
+        sdpa = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=3)
+        flex = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=3, attention="flex")
+    torch.testing.assert_close(flex.loss_sums, sdpa.loss_sums, rtol=1e-4, atol=1e-4)
+    optimiser = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    first = None
+    for _ in range(8):
+        result = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=3)
+        first = result.loss.item() if first is None else first
+        optimiser.zero_grad()
+        result.loss.backward()
+        optimiser.step()
+    assert result.loss.item() < 0.9 * first
+    assert drafter.midlayer.self_attn.q_a_proj.weight.grad is not None
+
+
+def test_save_and_load_keep_logits(tmp_path):
+    drafter = mla_drafter(rope_parameters=YARN)
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d").eval()
+    assert loaded.config == drafter.config and isinstance(loaded.midlayer, mla.MLADecoderLayer)
+    hidden, ids, positions = torch.randn(1, 5, H), torch.randint(0, VOCAB, (1, 5)), torch.arange(5)[None]
+    torch.testing.assert_close(loaded(hidden, ids, positions, None, causal(5))[1],
+                               drafter(hidden, ids, positions, None, causal(5))[1], rtol=0, atol=0)
+
+
+def test_tensor_names_are_the_engines():
+    state = mla_drafter().state_dict()
+    for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+        assert f"midlayer.self_attn.{name}.weight" in state
+    assert {"midlayer.mlp.gate_proj.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight"} <= set(state)
+    assert tuple(state["midlayer.self_attn.q_a_proj.weight"].shape) == (24, 2 * H)  # reads [norm(emb), norm(feature)]
+    assert tuple(state["midlayer.self_attn.kv_a_proj_with_mqa.weight"].shape) == (20 + 6, 2 * H)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"q_lora_rank": 0}, "q_lora_rank"),
+    ({"kv_lora_rank": 0, "v_head_dim": 0}, "kv_lora_rank, v_head_dim"),
+    ({"qk_rope_head_dim": 5}, "even"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0, "factor": 8.0}}, "llama3"),
+])
+def test_config_errors_name_the_fix(overrides, words):
+    with pytest.raises(EaglekitError, match=words):
+        Eagle3Drafter(mla_config(**overrides))
+
+
+def test_dims_from_an_mla_target_config():
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    target = DeepseekV3Config(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    assert mla.mla_dims(target) == {"q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                    "qk_rope_head_dim": 8, "v_head_dim": 16}
+    assert mla.mla_dims(LlamaConfig()) is None
+    assert dataclasses.replace(mla_config(), **mla.mla_dims(target)).kv_lora_rank == 32
