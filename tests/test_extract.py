@@ -76,13 +76,13 @@ def test_stored_states_equal_an_unpadded_forward(target_dir, data_file, fp32_sto
     dataset = HiddenStateDataset(out)
     manifest = dataset.manifest
     assert len(manifest["shards"]) > 1 and manifest["num_records"] == len(dataset) == 14
-    assert manifest["aux_layer_ids"] == [2, 3, 3] and manifest["aux_layer_convention"] == "input_of_layer"
-    assert manifest["verification"]["ok"] and manifest["verification"]["hook_calls"] == {"aux2": 1, "aux3": 1, "final": 1}
+    assert manifest["aux_layer_ids"] == [1, 3, 5] and manifest["aux_layer_convention"] == "input_of_layer"
+    assert manifest["verification"]["ok"] and manifest["verification"]["hook_calls"] == {"aux1": 1, "aux3": 1, "aux5": 1, "final": 1}
     model, tokenizer = load_target(str(target_dir)), AutoTokenizer.from_pretrained(target_dir)
     conversations = {c.id: c for c in read_conversations([data_file])}
     assert sorted(dataset.ids) == sorted(conversations)
     assert manifest["num_tokens"] == sum(len(dataset[i]["input_ids"]) for i in range(len(dataset)))
-    with HiddenStateCapture(model, (2, 3, 3)) as capture, torch.inference_mode():
+    with HiddenStateCapture(model, (1, 3, 5)) as capture, torch.inference_mode():
         for i in (0, 5, 13):
             record = dataset[i]
             tokenized = tokenize_conversation(tokenizer, conversations[record["id"]], 256)
@@ -210,9 +210,9 @@ def test_reader_validates_identity_and_checksums(target_dir, data_file, tmp_path
     out = run_extract(target_dir, data_file, tmp_path, limit=4).output
     dataset = HiddenStateDataset(out)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    dataset.validate(hidden_size=HIDDEN, aux_layer_ids=(2, 3, 3), tokenizer_hash=tokenizer_hash(tokenizer),
+    dataset.validate(hidden_size=HIDDEN, aux_layer_ids=(1, 3, 5), tokenizer_hash=tokenizer_hash(tokenizer),
                      target_config_hash=target_config_hash(AutoConfig.from_pretrained(target_dir)))
-    dataset.validate(aux_layer_ids=(1, 2, 2), aux_layer_convention="output_of_layer")
+    dataset.validate(aux_layer_ids=(0, 2, 4), aux_layer_convention="output_of_layer")
     with pytest.raises(EaglekitError, match="hidden_size=32.*uses 64"):
         dataset.validate(hidden_size=64)
     with pytest.raises(EaglekitError, match="aux_layer_ids"):
@@ -236,7 +236,7 @@ def test_truncation_is_counted(target_dir, data_file, tmp_path):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("unknown_path", "not a model directory"),
+    ("unknown_path", "no-such-model does not exist"),
     ("three_layers", "has 3 decoder layers; EAGLE-3 needs at least 4"),
     ("ids_out_of_range", "aux_layer_ids=.*within the target's 6 layers"),
     ("empty_data", "no records found|no conversations"),
@@ -279,7 +279,7 @@ def test_identity_hashes(target_dir, tmp_path):
 def test_target_report(target_dir):
     report = target_report(str(target_dir))
     assert report["class"] == "LlamaForCausalLM" and report["decoder_path"] == "model.layers"
-    assert report["num_layers"] == LAYERS and report["hidden_size"] == HIDDEN and report["default_aux_layer_ids"] == [2, 3, 3]
+    assert report["num_layers"] == LAYERS and report["hidden_size"] == HIDDEN and report["default_aux_layer_ids"] == [1, 3, 5]
     assert report["verification"]["ok"] and "transformers.models.llama.modeling_llama.LlamaForCausalLM" in report["mro"]
     text = format_target_report(report)
     assert "loaded class:     LlamaForCausalLM" in text and "verification:     OK" in text and "model.layers" in text

@@ -12,6 +12,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import (
     HiddenStateCapture,
     default_aux_layers,
+    engine_aux_layers,
     find_decoder,
     forward_target,
     from_input_convention,
@@ -78,7 +79,7 @@ def test_capture_matches_output_hidden_states(family):
     stack = find_decoder(model)
     assert stack.path == FAMILIES[family][2]
     assert stack.num_layers == LAYERS and stack.norm is not None
-    aux_ids = default_aux_layers(LAYERS)  # (2, 2, 2) for L=5: repeated ids get one hook
+    aux_ids = engine_aux_layers(LAYERS)  # (2, 2, 2) for L=5: repeated ids get one hook
     input_ids = torch.randint(0, 100, (2, 7))
     with HiddenStateCapture(model, aux_ids) as capture:
         result = verify_capture(model, capture, input_ids)
@@ -195,8 +196,10 @@ def test_layer_id_conventions_and_bounds():
         assert capture.aux_layers == (1, 2, 3)
     with pytest.raises(EaglekitError, match="out of range.*5 layers"):
         HiddenStateCapture(model, (2, 3, 6))
-    with pytest.raises(EaglekitError, match="at least 4 decoder layers"):
-        default_aux_layers(3)
+    assert engine_aux_layers(4) == (2, 2, 1) and default_aux_layers(4) == (1, 2, 3)  # small targets: distinct layers
+    assert default_aux_layers(3) == (1, 2, 3) and default_aux_layers(6) == (1, 3, 5) and default_aux_layers(7) == (2, 3, 4)
+    with pytest.raises(EaglekitError, match="at least 3"):
+        default_aux_layers(2)
     with pytest.raises(EaglekitError, match="not a ModuleList"):
         find_decoder(model, "model.nothing")
 
@@ -208,7 +211,7 @@ def test_target_report_on_a_saved_wrapper(tmp_path):
     report = target_report(str(tmp_path))
     assert report["class"] == "LlavaForConditionalGeneration" and report["decoder_path"] == "model.language_model.layers"
     assert report["layer_class"] == "LlamaDecoderLayer" and report["num_layers"] == LAYERS
-    assert report["verification"]["ok"] and report["verification"]["compared"] == ["aux2", "final"]
+    assert report["verification"]["ok"] and report["verification"]["compared"] == ["aux1", "aux2", "aux4", "final"]  # L=5: distinct (1, 2, 4)
     assert "decoder path:     model.language_model.layers" in format_target_report(report)
 
 

@@ -50,7 +50,7 @@ def test_online_training_writes_a_loadable_drafter(chat_target, data_file, tmp_p
         assert (out / name).is_file(), name
     assert result["train_records"] == 16 and result["val_records"] == 4 and result["steps"] == 4
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["stage"] == "train" and manifest["mode"] == "online" and manifest["aux_layer_ids"] == [2, 2, 1]
+    assert manifest["stage"] == "train" and manifest["mode"] == "online" and manifest["aux_layer_ids"] == [1, 2, 3]
     val = [m for m in metrics(out) if m["split"] == "val"][-1]
     running, tau = 1.0, 1.0
     for acc in val["acc_k"]:
@@ -104,7 +104,7 @@ def test_offline_shards_give_the_same_loss_as_online(chat_target, data_file, tmp
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["acc_k"] == pytest.approx(b["acc_k"])
     # shards from layers other than the drafter's are refused
     with pytest.raises(EaglekitError, match="aux_layer_ids"):
-        stage.run(options(chat_target, data_file, tmp_path / "bad", data=[], shards=str(store), aux_layers=[1, 2, 3]))
+        stage.run(options(chat_target, data_file, tmp_path / "bad", data=[], shards=str(store), aux_layers=[2, 2, 1]))
 
 
 def test_init_from_keeps_mapping_and_remaps_on_request(chat_target, data_file, tmp_path):

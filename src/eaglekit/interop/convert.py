@@ -21,7 +21,7 @@ from eaglekit.draft.model import INPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError
 from eaglekit.interop import formats
 from eaglekit.manifest import atomic_path, atomic_write_json
-from eaglekit.target.capture import default_aux_layers, to_input_convention
+from eaglekit.target.capture import engine_aux_layers, to_input_convention
 
 log = logging.getLogger(__name__)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -98,8 +98,8 @@ def export_drafter(drafter: Eagle3Drafter, output: str | Path, fmt: str, dtype: 
                 shutil.move(str(staging / name), tmp)
     input_ids = list(to_input(config))
     warnings = []
-    if config.target_num_layers and tuple(input_ids) != default_aux_layers(config.target_num_layers):
-        warnings.append(f"aux layers {input_ids} are not the engine default {list(default_aux_layers(config.target_num_layers))}: "
+    if config.target_num_layers and tuple(input_ids) != engine_aux_layers(config.target_num_layers):
+        warnings.append(f"aux layers {input_ids} are not the engine default {list(engine_aux_layers(config.target_num_layers))}: "
                         "engine releases that ignore the drafter's explicit ids (vLLM 0.11, see `eaglekit doctor`) will feed it other layers")
         log.warning(warnings[-1])
     return {"warnings": warnings, "format": fmt, "output": str(output), "tensors": sorted(state), "config_aux_layer_ids": _written_ids(data),
@@ -139,7 +139,7 @@ def _aux_ids(data: dict[str, Any], layout: str, from_format: str, target_num_lay
     if not layers:
         raise EaglekitError("the checkpoint does not name its aux layers, so the engine default (2, L/2, L-3) applies and "
                             "needs the target's layer count: pass target=<model dir, config.json or hub id>")
-    return default_aux_layers(int(layers)), INPUT_OF_LAYER
+    return engine_aux_layers(int(layers)), INPUT_OF_LAYER
 
 
 def _check_supported(llama: dict[str, Any], data: dict[str, Any]) -> None:

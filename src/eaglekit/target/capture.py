@@ -12,6 +12,7 @@ output before the final norm. SGLang's explicit ids mean "output of layer k" = o
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from torch import nn
 
 from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
 
 # Fallback table of known decoder-stack paths, tried after the generic search.
 KNOWN_LAYER_PATHS = (
@@ -152,11 +155,31 @@ def find_decoder(model: nn.Module, path: str | None = None) -> DecoderStack:
     return DecoderStack(path=path, layers=layers, norm_path=norm_path, norm=norm)
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 default: the states entering layers 2, L//2 and L-3 (input-of-layer convention)."""
-    if num_layers < 4:
-        raise EaglekitError(f"EAGLE-3 needs a target with at least 4 decoder layers, this one has {num_layers}")
+def engine_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """What vLLM, SGLang and the reference code pick when a checkpoint names no ids: the states entering layers
+    2, L//2 and L-3 (input-of-layer). On targets under 7 layers these repeat a layer (4 layers: 2, 2, 1)."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+_warned_small: set[int] = set()
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The aux layers a new drafter fuses (input-of-layer): the engine default (2, L//2, L-3) when its three
+    layers are distinct and in order (L >= 7), else three distinct states spread over the target (1, L//2, L-1; 3 layers: 1, 2, 3),
+    with one warning; explicit ids are the way to choose others."""
+    if num_layers < 3:
+        raise EaglekitError(f"EAGLE-3 fuses three distinct hidden states: a target with {num_layers} decoder layers "
+                            "has too few (it needs at least 3)")
+    ids = engine_aux_layers(num_layers)
+    if ids[0] < ids[1] < ids[2]:  # low, middle, high: 7 layers and more
+        return ids
+    spread = (1, 2, 3) if num_layers == 3 else (1, num_layers // 2, num_layers - 1)
+    if num_layers not in _warned_small:
+        _warned_small.add(num_layers)
+        log.warning("a %d-layer target: the usual aux layers %s repeat a layer, so the drafter fuses %s instead "
+                    "(pass aux_layer_ids to choose)", num_layers, list(ids), list(spread))
+    return spread
 
 
 def to_input_convention(layer_ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
@@ -207,7 +230,7 @@ class HiddenStateCapture:
             if not 0 <= layer_id <= num_layers:
                 raise EaglekitError(
                     f"aux layer id {layer_id} ({INPUT_OF_LAYER} convention) is out of range for a target with "
-                    f"{num_layers} layers (valid: 0..{num_layers}); omit aux_layer_ids for the default {default_aux_layers(num_layers) if num_layers >= 4 else '(none)'}"
+                    f"{num_layers} layers (valid: 0..{num_layers}); omit aux_layer_ids for the default {default_aux_layers(num_layers) if num_layers >= 3 else '(none)'}"
                 )
         if capture_final and self.stack.norm is None:
             raise EaglekitError(
