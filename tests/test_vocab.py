@@ -52,19 +52,25 @@ def test_remap_rows_moves_kept_ids_and_inits_new_ones() -> None:
 
 
 def test_vocab_stage_from_shards_and_keeping_a_drafter_mapping(tmp_path, monkeypatch) -> None:
-    """Stand-in for `eaglekit.target.store.HiddenStateDataset` (per docs/CONTRACTS.md)."""
+    """Stand-in for `eaglekit.target.store.HiddenStateDataset` (per docs/CONTRACTS.md): one shard file holding only the
+    token tensors; reading a record's hidden states (`__getitem__`) fails the test."""
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.tensor([3, 3, 5, 8], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1, 1], dtype=torch.uint8),
+               "offsets": torch.tensor([0, 4], dtype=torch.int64)}, str(tmp_path / "shard.safetensors"))
 
     class FakeDataset:
-        manifest = {"vocab_size": 12, "target": "fake"}
+        manifest = {"vocab_size": 12, "target": "fake", "shards": [{"file": "shard.safetensors"}]}
+        directory = tmp_path
 
         def __init__(self, directory: str) -> None:
-            self.records = [{"input_ids": torch.tensor([3, 3, 5, 8]), "loss_mask": torch.tensor([0, 1, 1, 1], dtype=torch.bool)}]
+            pass
 
         def __len__(self) -> int:
-            return len(self.records)
+            return 1
 
         def __getitem__(self, i: int) -> dict:
-            return self.records[i]
+            raise AssertionError("vocab shards= must count from the token tensors, not load hidden states")
 
     monkeypatch.setitem(sys.modules, "eaglekit.target.store", types.SimpleNamespace(HiddenStateDataset=FakeDataset))
     from eaglekit.stages import vocab as stage

@@ -157,7 +157,7 @@ def normal_init(drafter: Eagle3Drafter, std: float) -> None:
 
 
 def prepare_drafter(
-    options: Any,  # stages.train.Config
+    options: Any,  # eaglekit.train_config.TrainConfig
     text_config: Any,
     aux_layers: tuple[int, ...],  # input-of-layer ids
     architecture: str,

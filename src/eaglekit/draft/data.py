@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from eaglekit.draft.ttt import soft_labels_from_hidden
 from eaglekit.errors import EaglekitError
@@ -39,15 +38,12 @@ class Batch:
 # --- records ------------------------------------------------------------------------------------
 def conversation_records(paths: tuple[str, ...], tokenizer: Any, max_length: int, chat_template: str = "") -> list[dict[str, Any]]:
     """Tokenised conversations with at least one assistant token: {"id", "input_ids" (T,), "loss_mask" (T,)}."""
-    from eaglekit.data import read_conversations, tokenize_conversation
+    from eaglekit.data import read_conversations, tokenize_conversations
 
-    records = []
-    for conversation in tqdm(read_conversations(list(paths)), desc="tokenizing", unit="conv", disable=None):
-        record = tokenize_conversation(tokenizer, conversation, max_length, chat_template=chat_template or None)
-        if record.num_learned > 0:
-            records.append({"id": record.id, "input_ids": torch.tensor(record.input_ids, dtype=torch.long),
-                            "loss_mask": torch.tensor(record.loss_mask, dtype=torch.bool)})
-    return records
+    tokenized = tokenize_conversations(tokenizer, read_conversations(list(paths)), max_length, chat_template or None,
+                                       desc="tokenizing")
+    return [{"id": r.id, "input_ids": torch.tensor(r.input_ids, dtype=torch.long),
+             "loss_mask": torch.tensor(r.loss_mask, dtype=torch.bool)} for r in tokenized.records]
 
 
 def shard_tokens(dataset: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -2,7 +2,7 @@
 autocast, length-bucketed batches, validation (loss/accuracy per TTT position, tau estimate), exact
 resume, NaN stop, and torchrun DDP / FSDP2.
 
-`train(config)` takes `eaglekit.stages.train.Config`. Setup (target, data, drafter) is in `setup`;
+`train(config)` takes an `eaglekit.train_config.TrainConfig`. Setup (target, data, drafter) is in `setup`;
 `Trainer` owns the optimisation state and the loop.
 """
 
@@ -30,6 +30,7 @@ from eaglekit.draft.data import epoch_batches, mean_mask_counts, split_indices
 from eaglekit.draft.model import Eagle3Drafter
 from eaglekit.draft.ttt import expected_acceptance, step_masks, step_weights, ttt_forward
 from eaglekit.errors import EaglekitError
+from eaglekit.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 # options that change neither the data order nor the math: a run may resume with other values
@@ -118,7 +119,7 @@ class Position:
 
 
 class Trainer:
-    def __init__(self, config: Any, d: Dist, drafter: Eagle3Drafter, source: Any, identity: dict[str, Any],
+    def __init__(self, config: TrainConfig, d: Dist, drafter: Eagle3Drafter, source: Any, identity: dict[str, Any],
                  step_callback: Callable[[int, Any], None] | None = None):
         self.config, self.d, self.drafter, self.source, self.identity = config, d, drafter, source, identity
         self.step_callback = step_callback
@@ -336,7 +337,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def train(config: Any, step_callback: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
+def train(config: TrainConfig, step_callback: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
     """Run a training stage to completion (see the module docstring)."""
     from eaglekit.draft.setup import finish, setup
 

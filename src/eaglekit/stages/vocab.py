@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from tqdm import tqdm
 
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
@@ -46,20 +45,15 @@ class Config:
 
 
 def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) of every conversation, through the data layer and the target tokenizer."""
-    from eaglekit.data import read_conversations, tokenize_conversation
+    """(input_ids, loss_mask) of every conversation with assistant tokens, through the data layer and the target
+    tokenizer."""
+    from eaglekit.data import read_conversations, tokenize_conversations
     from eaglekit.target.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
-    for conversation in tqdm(read_conversations(list(config.data)), desc="vocab: counting", unit="conv"):
-        record = tokenize_conversation(tokenizer, conversation, config.max_length, chat_template=config.chat_template or None)
-        yield record.input_ids, record.loss_mask
-
-
-def shard_records(dataset: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for index in tqdm(range(len(dataset)), desc="vocab: counting", unit="rec"):
-        record = dataset[index]
-        yield record["input_ids"], record["loss_mask"]
+    tokenized = tokenize_conversations(tokenizer, read_conversations(list(config.data)), config.max_length,
+                                       config.chat_template or None, desc="vocab: tokenising")
+    return ((record.input_ids, record.loss_mask) for record in tokenized.records)
 
 
 def target_vocab_size(config: Config) -> int:
@@ -79,13 +73,14 @@ def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
     if bool(config.shards) == bool(config.data):
         raise EaglekitError("give exactly one source: data=FILES (conversations) or shards=DIR (extract output)")
     if config.shards:
+        from eaglekit.draft.data import shard_tokens
         from eaglekit.target.store import HiddenStateDataset
 
         dataset = HiddenStateDataset(config.shards)
         vocab_size = int(dataset.manifest["vocab_size"])
         if config.target and target_vocab_size(config) != vocab_size:
             raise EaglekitError(f"shards in {config.shards} have vocab {vocab_size} but target {config.target} has {target_vocab_size(config)}: they come from another model")
-        return count_tokens(shard_records(dataset), vocab_size), {"shards": config.shards, "target": dataset.manifest.get("target")}
+        return count_tokens(shard_tokens(dataset), vocab_size), {"shards": config.shards, "target": dataset.manifest.get("target")}
     if not config.target:
         raise EaglekitError("counting conversations needs the target's tokenizer: pass target=PATH (or target=tiny)")
     return count_tokens(conversation_records(config), target_vocab_size(config)), {"data": list(config.data), "target": config.target}
