@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from eaglekit.draft.model import INPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError
-from eaglekit.interop import formats
+from eaglekit.interop import formats, mla_format
 from eaglekit.manifest import atomic_path, atomic_write_json
 from eaglekit.target.capture import engine_aux_layers, to_input_convention
 
@@ -183,6 +183,7 @@ def drafter_config_from(data: dict[str, Any], layout: str, from_format: str = "a
             target_name_or_path=marker.get("target_name_or_path") or verifier.get("name_or_path") or "",
             target_architecture=marker.get("target_architecture") or (verifier.get("architectures") or [""])[0],
             target_num_layers=int(target_num_layers or marker.get("target_num_layers") or 0),
+            **mla_format.drafter_fields(data),
         )
     except KeyError as error:
         raise EaglekitError(f"drafter config lacks {error.args[0]!r}") from None

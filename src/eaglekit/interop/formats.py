@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig
 from eaglekit.errors import EaglekitError
+from eaglekit.interop import mla_format
 from eaglekit.interop.format_names import EXPORT_FORMATS, IMPORT_FORMATS  # noqa: F401 (convert.py reads formats.IMPORT_FORMATS)
 from eaglekit.target.capture import from_input_convention, to_input_convention
 
@@ -55,7 +56,7 @@ def layer_prefix(fmt: str) -> str:
 def key_map(fmt: str) -> dict[str, str]:
     """eaglekit tensor name -> checkpoint tensor name, for every tensor the format can hold."""
     prefix = layer_prefix(fmt)
-    mapping = {f"midlayer.{name}": f"{prefix}{name}" for name in LAYER_TENSORS}
+    mapping = {f"midlayer.{name}": f"{prefix}{name}" for name in LAYER_TENSORS + mla_format.LAYER_TENSORS}
     mapping.update({name: name for name in TOP_TENSORS + OPTIONAL_TENSORS + VOCAB_TENSORS})
     return mapping
 
@@ -67,7 +68,8 @@ def required_keys(fmt: str, config: DrafterConfig) -> list[str]:
     at zero when `d2t` is absent), so a missing key means a drafter that loads and proposes garbage.
     """
     prefix = layer_prefix(fmt)
-    keys = [f"{prefix}{name}" for name in LAYER_TENSORS] + list(TOP_TENSORS)
+    layer = mla_format.LAYER_TENSORS if mla_format.is_mla(config) else LAYER_TENSORS
+    keys = [f"{prefix}{name}" for name in layer] + list(TOP_TENSORS)
     if config.draft_vocab_size < config.vocab_size:
         keys += ["d2t", "t2d"] if fmt == "speculators" else ["d2t"]
     return keys
@@ -145,7 +147,11 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
             "torch_dtype": dtype,
             MARKER: marker,
         }
-    data = {"architectures": [EAGLE3_ARCHITECTURES[0]], **llama_fields(config),
+    if mla_format.is_mla(config):
+        base = mla_format.config_fields(config, *_rope_legacy(dict(config.rope_parameters)))
+    else:
+        base = {"architectures": [EAGLE3_ARCHITECTURES[0]], **llama_fields(config)}
+    data = {**base,
             "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
             "norm_before_residual": config.norm_before_residual, "torch_dtype": dtype,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True}}
@@ -168,6 +174,8 @@ def check_exportable(config: DrafterConfig, fmt: str) -> None:
     """Refuse drafters the target engine would load with different behaviour."""
     if fmt not in EXPORT_FORMATS:
         raise EaglekitError(f"unknown export format '{fmt}'; use one of {', '.join(EXPORT_FORMATS)}")
+    if mla_format.is_mla(config):
+        mla_format.check_exportable(config, fmt)
     input_ids = to_input_convention(config.aux_layer_ids, config.aux_layer_convention)
     if fmt == "sglang":
         if config.norm_before_residual:
@@ -197,6 +205,8 @@ def check_required(fmt: str, config: DrafterConfig, state: dict[str, torch.Tenso
         "d2t": (config.draft_vocab_size,),
         "t2d": (config.vocab_size,),
     }
+    if mla_format.is_mla(config):
+        shapes.update(mla_format.tensor_shapes(config, prefix))
     for key, shape in shapes.items():
         if key in state and tuple(state[key].shape) != shape:
             raise EaglekitError(f"{fmt} checkpoint tensor {key} has shape {tuple(state[key].shape)}, the loader expects {shape}")
@@ -262,7 +272,7 @@ def detect_format(data: dict[str, Any]) -> str:
             raise EaglekitError(f"speculators checkpoint of type '{data['speculators_model_type']}'; only eagle3 imports")
         return "speculators"
     architectures = data.get("architectures") or []
-    if any(a in EAGLE3_ARCHITECTURES for a in architectures) or "eagle_config" in data:
+    if any(a in EAGLE3_ARCHITECTURES for a in architectures) or "eagle_config" in data or mla_format.is_mla_checkpoint(data):
         return "eagle3"
     raise EaglekitError(f"config.json with architectures {architectures} is not an EAGLE-3 drafter in a known layout "
                         f"(expected one of {', '.join(EAGLE3_ARCHITECTURES)} or a speculators eagle3 config)")
