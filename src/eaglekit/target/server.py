@@ -71,6 +71,7 @@ class ChatRequest:
     seed: int | None
     stream: bool
     include_usage: bool
+    max_tokens_given: bool = True  # False: the server's default, capped at the context the prompt leaves
 
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
@@ -113,7 +114,8 @@ def parse_chat_request(body: Any, model_name: str, default_max_tokens: int, max_
     if body.get("n", 1) not in (1, None):
         raise RequestError(400, "only n=1 is supported", param="n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
+    given = max_tokens is not None
+    if not given:
         max_tokens = default_max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
         raise RequestError(400, f"'max_tokens' must be an integer in [1, {max_tokens_limit}]", param="max_tokens")
@@ -129,7 +131,7 @@ def parse_chat_request(body: Any, model_name: str, default_max_tokens: int, max_
     return ChatRequest(
         messages=_messages(body.get("messages")), max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
+        seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)), max_tokens_given=given,
     )
 
 
@@ -213,6 +215,7 @@ class ChatServer:
             raise EaglekitError("queue_size and max_batch_size must be >= 1")
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.default_max_tokens, self.max_tokens_limit, self.max_batch_size = default_max_tokens, max_tokens_limit, max_batch_size
+        self.capped_warned = False  # the default max_tokens was cut to the context left (warned once)
         self.jobs, self.metrics, self.created = JobQueue(queue_size), Metrics(), int(time.time())
         try:
             self.httpd = ThreadingHTTPServer((host, port), _Handler)
@@ -400,6 +403,14 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as error:  # noqa: BLE001 - chat templates raise anything (jinja TemplateError, ValueError)
             raise RequestError(400, f"the chat template rejected these messages: {error}", "invalid_messages", "messages") from None
         limit = self.app.engine.max_context
+        left = None if limit is None else limit - len(prompt_ids)
+        if left is not None and not request.max_tokens_given and 0 < left < request.max_tokens:
+            request.max_tokens = left  # no max_tokens asked for: what the context leaves
+            if not self.app.capped_warned:
+                self.app.capped_warned = True
+                log.warning("a request without max_tokens got %d new tokens at most, not the default %d: its prompt of %d "
+                            "tokens leaves no more of the model's %d-token context (logged once)", request.max_tokens,
+                            self.app.default_max_tokens, len(prompt_ids), limit)
         if limit is not None and len(prompt_ids) + request.max_tokens > limit:
             raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds "
                                     f"the model's context of {limit} tokens", "context_length_exceeded", "messages")
