@@ -175,3 +175,49 @@ def test_dims_from_an_mla_target_config():
                                     "qk_rope_head_dim": 8, "v_head_dim": 16}
     assert mla.mla_dims(LlamaConfig()) is None
     assert dataclasses.replace(mla_config(), **mla.mla_dims(target)).kv_lora_rank == 32
+
+
+# --- engine layouts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_export_import_round_trip_keeps_logits(tmp_path, fmt):
+    """vLLM/SGLang layout of the MLA drafter (Eagle3DeepseekV2ForCausalLM, a DeepSeek-V3-schema config) reads back
+    with the same numbers and the same configuration."""
+    import json
+
+    from transformers import DeepseekV3Config
+
+    from eaglekit.interop.convert import export_drafter, import_checkpoint, probe_logits
+
+    drafter = mla_drafter(rope_parameters=YARN)
+    summary = export_drafter(drafter, tmp_path / fmt, fmt)
+    data = json.loads((tmp_path / fmt / "config.json").read_text())
+    assert data["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and data["model_type"] == "kimi_k2"
+    assert data["num_hidden_layers"] == 1 and data["tie_word_embeddings"] is False and data["q_lora_rank"] == 24
+    deepseek = DeepseekV3Config.from_dict(data)  # the schema both engines parse it with
+    assert (deepseek.kv_lora_rank, deepseek.qk_nope_head_dim, deepseek.qk_rope_head_dim, deepseek.v_head_dim) == (20, 8, 6, 10)
+    assert deepseek.rope_parameters["rope_type"] == "yarn" and deepseek.rope_parameters["mscale_all_dim"] == 0.7
+    assert "midlayer.self_attn.kv_a_proj_with_mqa.weight" in summary["tensors"] and summary["max_logit_difference"] == 0.0
+    back = import_checkpoint(tmp_path / fmt, from_format=fmt)
+    assert back.config == drafter.config
+    torch.testing.assert_close(probe_logits(back), probe_logits(drafter), rtol=0, atol=0)
+
+
+def test_export_refusals_name_the_fix(tmp_path):
+    from eaglekit.interop.convert import export_drafter
+
+    with pytest.raises(EaglekitError, match="speculators has no MLA drafter"):
+        export_drafter(mla_drafter(), tmp_path / "s", "speculators")
+    with pytest.raises(EaglekitError, match="norm_before_fc"):
+        export_drafter(mla_drafter(norm_before_fc=True), tmp_path / "v", "vllm")
+
+
+def test_required_key_check_covers_the_mla_tensors():
+    """SGLang skips missing tensors silently: the exporter's key check lists every MLA tensor."""
+    from eaglekit.interop import formats
+
+    config = mla_config()
+    state = formats.to_checkpoint_state(mla_drafter().state_dict(), "sglang")
+    del state["midlayer.self_attn.kv_b_proj.weight"]
+    with pytest.raises(EaglekitError, match="kv_b_proj"):
+        formats.check_required("sglang", config, state)
+    assert "midlayer.self_attn.q_proj.weight" not in formats.required_keys("vllm", config)
