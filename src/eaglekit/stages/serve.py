@@ -42,16 +42,28 @@ class Config:
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
     drafter: str = option("", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics")
     method: str = option("tree", "with drafter: speculative decoding method", choices=("tree", "chain"))
+    chain_length: int = option(4, "with drafter, method=chain: draft tokens per target forward")
+    depth: int = option(6, "with drafter, method=tree: draft levels")
+    total_tokens: int = option(48, "with drafter, method=tree: draft nodes verified per target forward")
+    tree_top_k: int = option(8, "with drafter, method=tree: children per node and nodes expanded per level")
 
 
 def build_engine(config: Config) -> GenerationEngine:
     """The generation engine behind the server (the in-process target, or speculative with a drafter)."""
-    if config.drafter:
-        from eaglekit.decode.serving import SpeculativeEngine
+    base = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code)
+    if not config.drafter:
+        return base
+    from eaglekit.decode.serving import SpeculativeEngine
+    from eaglekit.decode.setup import load_drafter, resolve_backend
 
-        return SpeculativeEngine.load(config.target, config.drafter, config.device, config.dtype,
-                                      config.trust_remote_code, method=config.method)
-    return HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code)
+    weights = next(base.model.parameters())
+    drafter = load_drafter(config.drafter, base.model, weights.device, weights.dtype, config.target)
+    shape = ({"chain_length": config.chain_length} if config.method == "chain" else
+             {"depth": config.depth, "total_tokens": config.total_tokens, "tree_top_k": config.tree_top_k})
+    engine = SpeculativeEngine(base, drafter, config.method, resolve_backend("auto", base.model), **shape)
+    width = 1 + (config.chain_length if config.method == "chain" else config.total_tokens)  # draft slots per step
+    engine.max_context = engine.decoder.max_length - width - 1  # the decoder's cache also holds one step's drafts
+    return engine
 
 
 def build_server(config: Config, engine: GenerationEngine | None = None) -> ChatServer:
@@ -60,6 +72,8 @@ def build_server(config: Config, engine: GenerationEngine | None = None) -> Chat
         raise EaglekitError("no target given: eaglekit serve PATH_OR_HUB_ID (or target=tiny)")
     if config.max_tokens < 1 or config.max_tokens > config.max_tokens_limit:
         raise EaglekitError("max_tokens must be between 1 and max_tokens_limit")
+    if min(config.chain_length, config.depth, config.total_tokens, config.tree_top_k) < 1:
+        raise EaglekitError("chain_length, depth, total_tokens and tree_top_k must be at least 1")
     is_path = Path(config.target).expanduser().exists()
     name = config.model_name or (Path(config.target.rstrip("/")).name if is_path else config.target)
     return ChatServer(
