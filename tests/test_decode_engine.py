@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from test_decode_models import OracleDrafter, random_drafter, tiny_target
+from builders import OracleDrafter, random_drafter, tiny_target
 from eaglekit.decode import Decoder, generate
 from eaglekit.errors import EaglekitError
 
@@ -133,12 +133,12 @@ def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     tokens as the eager path, a whole greedy step is one graph, and decoding more steps adds no graphs."""
     from torch._dynamo.testing import CompileCounter
 
-    from eaglekit.decode import static
+    from eaglekit.decode import graphs
 
     torch._dynamo.reset()
     counter, prefills = CompileCounter(), CompileCounter()
-    monkeypatch.setattr(static, "COMPILE_OPTIONS", {"backend": counter, "fullgraph": True, "dynamic": False})
-    monkeypatch.setattr(static, "PREFILL_OPTIONS", {"backend": prefills, "fullgraph": True, "dynamic": None})
+    monkeypatch.setattr(graphs, "COMPILE_OPTIONS", {"backend": counter, "fullgraph": True, "dynamic": False})
+    monkeypatch.setattr(graphs, "PREFILL_OPTIONS", {"backend": prefills, "fullgraph": True, "dynamic": None})
     target = tiny_target("llama")
     drafter = random_drafter(target)
     reference = hf_greedy(target, NEW)
@@ -146,11 +146,11 @@ def test_compiled_fast_path_is_whole_graphs_and_equals_eager(monkeypatch):
     tree = dict(method="tree", depth=3, tree_top_k=3, total_tokens=8)
     decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
     assert decoder.generate(PROMPT, NEW, **tree).tokens == reference
-    graphs = counter.frame_count
-    assert graphs == 1  # greedy: the whole step (draft, verify, verification, KV compaction, extend) is one graph
+    step_graphs = counter.frame_count
+    assert step_graphs == 1  # greedy: the whole step (draft, verify, verification, KV compaction, extend) is one graph
     assert prefills.frame_count == 2  # the target's prefill and the drafter's
     assert decoder.generate(PROMPT[:4], 2 * NEW, **tree).tokens == generate(target, drafter, PROMPT[:4], 2 * NEW, **tree).tokens
-    assert counter.frame_count == graphs  # positions and cache lengths are graph inputs, not constants
+    assert counter.frame_count == step_graphs  # positions and cache lengths are graph inputs, not constants
     assert prefills.frame_count == 2  # another prompt length: the prefills' length is symbolic
     for kwargs in (dict(method="chain", chain_length=3), dict(tree, temperature=1.0, seed=3), dict(method="chain", temperature=1.0, seed=3)):
         fast = decoder.generate(PROMPT, NEW, **kwargs)
@@ -164,7 +164,7 @@ def test_compiled_prefills_run_padded_to_their_bucket(monkeypatch):
     """compile=True pads both prefills up to a multiple of PREFILL_BUCKET, capped by the cache (here without
     dynamo, recording the lengths the prefill functions see): the padding rows change no token, for a prompt
     whose bucket fits and one whose bucket the cache cuts short."""
-    from eaglekit.decode import static
+    from eaglekit.decode import graphs, static
 
     seen: list[int] = []
 
@@ -174,8 +174,8 @@ def test_compiled_prefills_run_padded_to_their_bucket(monkeypatch):
             return fn(*tensors)
         return call if enabled else fn
 
-    monkeypatch.setattr(static, "_compiled", lambda fn, enabled: fn)
-    monkeypatch.setattr(static, "_prefill_compiled", recording)
+    monkeypatch.setattr(graphs, "compiled", lambda fn, enabled: fn)
+    monkeypatch.setattr(graphs, "prefill_compiled", recording)
     target = tiny_target("llama")
     drafter = random_drafter(target)
     prompt = [(7 * i) % 40 + 1 for i in range(70)]
@@ -229,10 +229,10 @@ def test_fused_step_lowers_through_inductor(monkeypatch):
     allocation as large as a cache)."""
     from torch._inductor.utils import run_and_get_code
 
-    from eaglekit.decode import static
+    from eaglekit.decode import graphs
 
     torch._dynamo.reset()
-    monkeypatch.setattr(static, "COMPILE_OPTIONS", {"backend": "inductor", "fullgraph": True, "dynamic": False})
+    monkeypatch.setattr(graphs, "COMPILE_OPTIONS", {"backend": "inductor", "fullgraph": True, "dynamic": False})
     target = tiny_target("llama")
     drafter = random_drafter(target)
     decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
@@ -310,12 +310,12 @@ class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):
 def test_speculative_steps_make_no_host_transfers(backend, compiled, monkeypatch):
     """Besides the verify step's one `.tolist()` (not dispatched, so not counted here), a step (greedy or sampled) adds no
     host<->device traffic: decoding 3x as many tokens makes exactly as many transfers (the prefill's)."""
-    from eaglekit.decode import static
+    from eaglekit.decode import graphs
 
     # compile=True takes the graph path (the fused step); here it runs uncompiled, since dynamo does not
     # trace under a dispatch mode
-    monkeypatch.setattr(static, "_compiled", lambda fn, enabled: fn)
-    monkeypatch.setattr(static, "_prefill_compiled", lambda fn, enabled: fn)
+    monkeypatch.setattr(graphs, "compiled", lambda fn, enabled: fn)
+    monkeypatch.setattr(graphs, "prefill_compiled", lambda fn, enabled: fn)
     target = tiny_target("llama")
     decoder = Decoder(target, random_drafter(target), backend=backend, compile=compiled, max_length=128)
     for method, temperature in (("tree", 0.0), ("chain", 0.0), ("tree", 1.0), ("chain", 1.0)):

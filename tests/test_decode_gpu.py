@@ -1,4 +1,4 @@
-"""On a CUDA machine only (skipped elsewhere; run it first in a device session): the compiled fast path with
+"""On a CUDA machine only (skipped elsewhere; run it first on a new GPU host): the compiled fast path with
 the real backend (inductor + CUDA graphs, the fused greedy step queued a step ahead) gives the same tokens
 as the eager reference, for plain decoding, greedy chains and trees, and sampled chains and trees."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from builders import random_drafter, tiny_target
 from test_decode_engine import NEW, PROMPT, always_right_pair
-from test_decode_models import random_drafter, tiny_target
 from eaglekit.decode import Decoder, generate
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run it on the device machine)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 LONG_PROMPT = [(7 * i) % 40 + 1 for i in range(70)]
 CASES = [

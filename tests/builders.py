@@ -1,4 +1,4 @@
-"""Tiny target and drafter builders shared by the decode tests (holds no tests itself)."""
+"""Tiny target and drafter builders shared by the decode tests (a library for them: holds no tests)."""
 
 from __future__ import annotations
 
