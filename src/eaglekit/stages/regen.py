@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 POSITIONAL = ("data",)
 STATS_FILE, SETTINGS_FILE = "stats.json", "settings.json"
 # options that change what is generated: a resumed run must match them
-SETTINGS_KEYS = ("target", "model", "turns", "temperature", "top_p", "max_new_tokens", "seed")
+SETTINGS_KEYS = ("target", "model", "turns", "temperature", "top_p", "max_new_tokens", "seed", "chat_template")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,9 @@ class Config:
     skip_errors: bool = option(False, "skip malformed input records instead of stopping")
     device: str = option("auto", "hf backend: device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "hf backend: dtype (auto = bf16 on GPU, fp32 on CPU)")
+    chat_template: str = option("", "hf backend: chat template (Jinja text or file) instead of the tokenizer's own")
     trust_remote_code: bool = option(False, "allow the target's own modelling code (hf backend)")
+    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by regen")
 
 
 @dataclass
@@ -87,7 +89,7 @@ def _check_settings(config: Config, directory: Path) -> None:
     settings = {key: getattr(config, key) for key in SETTINGS_KEYS}
     path = directory / SETTINGS_FILE
     if path.is_file() and (directory / OUTPUT_FILE).is_file() and (directory / OUTPUT_FILE).stat().st_size > 0:
-        old = json.loads(path.read_text())
+        old = {"chat_template": "", **json.loads(path.read_text())}  # written before chat_template was a setting
         changed = [f"{k}: {old.get(k)!r} -> {settings[k]!r}" for k in SETTINGS_KEYS if old.get(k) != settings[k]]
         if changed:
             raise EaglekitError(f"{directory} holds records generated with other settings ({'; '.join(changed)}); "
@@ -131,9 +133,15 @@ def _validate(config: Config) -> None:
 
 
 def run(config: Config) -> RegenResult:
+    from eaglekit.manifest import claim_output, write_errors
+
     _validate(config)
-    directory = Path(config.output)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = claim_output(config.output, "regen", config.overwrite)
+    with write_errors(directory, "regenerated records"):
+        return _run(config, directory)
+
+
+def _run(config: Config, directory: Path) -> RegenResult:
     _check_settings(config, directory)
     (directory / "manifest.json").unlink(missing_ok=True)  # written again only when every record is done
     save_resolved(dataclasses.replace(config, api_key="<redacted>" if config.api_key else ""), directory)
@@ -143,7 +151,8 @@ def run(config: Config) -> RegenResult:
              total - len(todo) - skipped, skipped)
     backend: HFBackend | OpenAIBackend
     if config.backend == "hf":
-        backend = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code) if todo else None  # type: ignore[assignment]
+        backend = (HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code, config.chat_template)
+                   if todo else None)  # type: ignore[assignment]
         meta = {"backend": "hf", "model": config.target}
     else:
         backend = OpenAIBackend(config.servers, config.api_key or os.environ.get("OPENAI_API_KEY", ""), config.model,
@@ -165,16 +174,21 @@ def run(config: Config) -> RegenResult:
             regen_openai(todo, progress, backend, sampling, config.concurrency)  # type: ignore[arg-type]
     finally:
         seconds = progress.close()
-    return _finish(config, directory, total, skipped, progress, seconds)
+    capped = getattr(backend, "capped_answers", 0)
+    if capped:
+        log.warning("%d answer(s) were cut to the context their prompt leaves (max_new_tokens=%d does not fit the "
+                    "target's %s-token context after those prompts)", capped, config.max_new_tokens, backend.max_context)
+    return _finish(config, directory, total, skipped, progress, seconds, capped)
 
 
-def _finish(config: Config, directory: Path, total: int, skipped: int, progress: Progress, seconds: float) -> RegenResult:
+def _finish(config: Config, directory: Path, total: int, skipped: int, progress: Progress, seconds: float,
+            capped: int = 0) -> RegenResult:
     finished = scan_finished(directory / OUTPUT_FILE)
     outstanding = compact_failures(directory / FAILURES_FILE, finished)
     counts = progress.counts
     stats = {
         "records": total, "finished": len(finished), "skipped_no_user_turn": skipped, **counts,
-        "outstanding_failures": len(outstanding), "finish_reasons": progress.finish_reasons,
+        "outstanding_failures": len(outstanding), "finish_reasons": progress.finish_reasons, "capped_answers": capped,
         "seconds": round(seconds, 3),
         "records_per_second": round(counts["generated"] / seconds, 3) if seconds > 0 else 0.0,
         "completion_tokens_per_second": round(counts["completion_tokens"] / seconds, 3) if seconds > 0 else 0.0,
@@ -184,8 +198,20 @@ def _finish(config: Config, directory: Path, total: int, skipped: int, progress:
           f"{counts['completion_tokens']} tokens in {seconds:.1f}s ({stats['completion_tokens_per_second']:.1f} tok/s) "
           f"-> {directory / OUTPUT_FILE}")
     if outstanding:
-        raise EaglekitError(f"{len(outstanding)} record(s) failed (first: {progress.first_error or outstanding[0]['error']}); "
-                            f"see {directory / FAILURES_FILE}; re-run the same command to retry them")
+        raise EaglekitError(_failure_message(outstanding, directory / FAILURES_FILE))
     write_manifest(directory, "regen", {"output": OUTPUT_FILE, "output_sha256": file_sha256(directory / OUTPUT_FILE),
                                         "records": len(finished), "settings": {k: getattr(config, k) for k in SETTINGS_KEYS}})
     return RegenResult(directory / OUTPUT_FILE, stats)
+
+
+def _failure_message(outstanding: list[dict[str, Any]], path: Path) -> str:
+    """What failed and what to do: a retry only when one can succeed (connection errors, out of memory)."""
+    retryable = [e for e in outstanding if e.get("retryable", True)]
+    first = (retryable or outstanding)[0]
+    text = f"{len(outstanding)} record(s) failed (first: {first['id']}: {first['error']}); see {path}"
+    if len(retryable) == len(outstanding):
+        return text + "; re-run the same command to retry them"
+    fixed = len(outstanding) - len(retryable)
+    advice = (f"; {fixed} of them fail the same way on every run (the target rejects them as they are, e.g. a prompt "
+              "longer than its context): shorten or drop those records")
+    return text + advice + (f"; re-run the same command to retry the other {len(retryable)}" if retryable else "")

@@ -39,6 +39,7 @@ class Config:
     max_tokens_limit: int = option(8192, "largest max_tokens a request may ask for")
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
+    chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
     drafter: str = option("", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics")
     method: str = option("tree", "with drafter: speculative decoding method", choices=("tree", "chain"))
@@ -50,7 +51,7 @@ class Config:
 
 def build_engine(config: Config) -> GenerationEngine:
     """The generation engine behind the server (the in-process target, or speculative with a drafter)."""
-    base = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code)
+    base = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code, config.chat_template)
     if not config.drafter:
         return base
     from eaglekit.decode.serving import SpeculativeEngine

@@ -12,6 +12,7 @@ retried with exponential backoff on the next server URL; other 4xx fail that req
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -63,7 +64,12 @@ class EngineOutput:
 
 
 class BackendError(Exception):
-    """One request failed for good (after retries, or a 4xx the server will repeat); the record is marked failed."""
+    """One request failed for good (after retries, or a 4xx the server will repeat); the record is marked failed.
+    `retryable` is False when running the same request again must fail the same way (a prompt too long)."""
+
+    def __init__(self, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class GenerationCancelled(Exception):
@@ -110,8 +116,8 @@ class HFBackend:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str = "target"):
         if getattr(tokenizer, "chat_template", None) is None:
-            raise EaglekitError(f"the tokenizer of {name} has no chat template; use an instruct/chat model "
-                                "or add chat_template to its tokenizer_config.json")
+            raise EaglekitError(f"the tokenizer of {name} has no chat template; pass chat_template=FILE.jinja (or a "
+                                "Jinja string), or use an instruct/chat model")
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to call from several threads
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -120,15 +126,22 @@ class HFBackend:
         self.device = next(model.parameters()).device
         self.max_context = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
                                    "max_position_embeddings", None)
+        self.capped_answers = 0  # answers whose max_new_tokens was cut to the context their prompt leaves
 
     @classmethod
-    def load(cls, target: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False) -> "HFBackend":
+    def load(cls, target: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
+             chat_template: str = "") -> "HFBackend":
+        """The target and its tokenizer; `chat_template` (Jinja text or file) replaces the tokenizer's own."""
+        from eaglekit.data.tokenize import resolve_chat_template
         from eaglekit.runtime import resolve_device, resolve_dtype
         from eaglekit.target.loading import load_target, load_tokenizer
 
+        tokenizer = load_tokenizer(target, trust_remote_code)
+        if chat_template:
+            tokenizer.chat_template = resolve_chat_template(tokenizer, chat_template)
         torch_device = resolve_device(device)
         model = load_target(target, torch_device, resolve_dtype(dtype, torch_device), trust_remote_code)
-        return cls(model, load_tokenizer(target, trust_remote_code), name=target)
+        return cls(model, tokenizer, name=target)
 
     def encode_chat(self, messages: Messages) -> list[int]:
         """Token ids of `messages` under the chat template, ending with the assistant prompt."""
@@ -190,19 +203,24 @@ class HFBackend:
         return {"engine": "hf"}
 
     def generate_batch(self, conversations: list[Messages], params: SamplingParams) -> list[Generation | BackendError]:
-        """One answer per message list; one whose prompt does not fit the context is returned as a BackendError."""
+        """One answer per message list, each with at most the context its prompt leaves (`capped_answers` counts
+        the cut ones); a prompt that fills the whole context is returned as a BackendError that no retry fixes."""
         prompts = [self.encode_chat(messages) for messages in conversations]
-        results: list[Generation | BackendError] = []
-        fits = [self.max_context is None or len(p) + params.max_new_tokens <= self.max_context for p in prompts]
-        outputs = iter(self.generate_ids([p for p, ok in zip(prompts, fits) if ok], params) if any(fits) else [])
-        for prompt, ok in zip(prompts, fits):
-            if not ok:
-                results.append(BackendError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
-                                            f"exceeds the target's context of {self.max_context}"))
+        limit = params.max_new_tokens
+        budgets = [limit if self.max_context is None else min(limit, self.max_context - len(p)) for p in prompts]
+        self.capped_answers += sum(0 < b < limit for b in budgets)
+        results: dict[int, Generation | BackendError] = {}
+        for budget in sorted(set(budgets)):
+            rows = [i for i, b in enumerate(budgets) if b == budget]
+            if budget < 1:
+                for i in rows:
+                    results[i] = BackendError(f"prompt of {len(prompts[i])} tokens fills the target's context of "
+                                              f"{self.max_context}: shorten or drop this record", retryable=False)
                 continue
-            out = next(outputs)
-            results.append(Generation(self.decode(out.ids), len(prompt), len(out.ids), out.finish_reason))
-        return results
+            outputs = self.generate_ids([prompts[i] for i in rows], dataclasses.replace(params, max_new_tokens=budget))
+            for i, out in zip(rows, outputs):
+                results[i] = Generation(self.decode(out.ids), len(prompts[i]), len(out.ids), out.finish_reason)
+        return [results[i] for i in range(len(prompts))]
 
 
 # ----------------------------------------------------------------------------- OpenAI-compatible server
@@ -282,8 +300,8 @@ class OpenAIBackend:
             raise EaglekitError(f"{url} refused the request (HTTP {status}); pass the server's key as api_key=...")
         if status == 404:
             raise EaglekitError(f"{url} answered 404 ({response.text[:200]}); check the server url and model=")
-        if status >= 400:
-            raise BackendError(f"HTTP {status}: {response.text[:300]}")
+        if status >= 400:  # the server rejects this request as such: it will answer the same again
+            raise BackendError(f"HTTP {status}: {response.text[:300]}", retryable=False)
         try:
             data = response.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -154,7 +154,8 @@ class Progress:
         self._tick()
 
     def fail(self, pending: Pending, error: Exception) -> None:
-        self.failures.write({"id": pending.id, "error": str(error), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.failures.write({"id": pending.id, "error": str(error), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                             "retryable": getattr(error, "retryable", True)})
         self.counts["failed"] += 1
         self.first_error = self.first_error or f"{pending.id}: {error}"
         self._tick()
