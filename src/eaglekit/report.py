@@ -126,7 +126,8 @@ def bench_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Bench rows with `speedup` = tokens/s over plain decoding's (else HF generate's) at the same temperature."""
     table = []
     for row in rows:
-        base = next((r for name in ("plain", "hf") for r in rows if r["method"] == name and r["temperature"] == row["temperature"]), None)
+        names = ("vllm_plain",) if row["method"].startswith("vllm_") else ("plain", "hf")  # an engine against itself
+        base = next((r for name in names for r in rows if r["method"] == name and r["temperature"] == row["temperature"]), None)
         speed, base_speed = row.get("tokens_per_second"), base.get("tokens_per_second") if base else None
         table.append({**row, "baseline": base["method"] if base else None,
                       "speedup": speed / base_speed if speed and base_speed else None})
@@ -146,6 +147,25 @@ def bench_markdown(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {r['method']} | {r['temperature']:g} | {_fmt(r.get('tokens_per_second'), '.1f')} | "
                      f"{_fmt(r.get('ms_per_token'), '.2f')} | {speedup} | {_fmt(r.get('decode_tokens_per_second'), '.1f')} | "
                      f"{_fmt(r.get('tau'), '.2f') if 'tau' in r else ''} | {rates} |")
+    return lines
+
+
+def vllm_sweep_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The served-by-vLLM concurrency sweep of bench rows: tokens/s without and with the drafter, speed-up, tau."""
+    by_name = {r["method"]: r for r in rows if r.get("engine") == "vllm" and "error" not in r}
+    plain, eagle = by_name.get("vllm_plain"), by_name.get("vllm_eagle3")
+    if not plain or not eagle or not eagle.get("concurrency"):
+        return []
+    plain_levels = {level["concurrency"]: level for level in plain.get("concurrency", [])}
+    lines = [f"vLLM {eagle.get('engine_version')} served (`vllm serve`, T=0), output tokens/s by requests in flight:", "",
+             "| concurrency | requests | vllm_plain tokens/s | vllm_eagle3 tokens/s | speed-up | tau (served) |",
+             "|---|---|---|---|---|---|"]
+    for level in eagle["concurrency"]:
+        base = plain_levels.get(level["concurrency"], {})
+        speed, base_speed = level.get("tokens_per_second"), base.get("tokens_per_second")
+        speedup = f"{speed / base_speed:.2f}x" if speed and base_speed else "n/a"
+        lines.append(f"| {level['concurrency']} | {level['requests']} | {_fmt(base_speed, '.1f')} | {_fmt(speed, '.1f')} | "
+                     f"{speedup} | {_fmt(level.get('tau'), '.3f')} |")
     return lines
 
 
