@@ -9,6 +9,13 @@ hf_prompt_lookup (HF prompt-lookup decoding), chain and tree (eaglekit EAGLE-3).
 temperature in `temperatures=`. Before timing, the HF methods run the first `warmup` prompts once
 untimed and eaglekit's methods every prompt (warmup=0: none); every timed prompt is run `repeats` times
 and the median is kept. Writes bench.json, bench.md and bench.png to `output`.
+
+`engine=vllm` adds the real vLLM's figures on the same prompt ids (rows `vllm_plain`, `vllm_eagle3`, T=0):
+tau and acceptance per position from vLLM's own spec-decode counters, and output tokens/s of `vllm serve`
+at each concurrency of `concurrency=` (eaglekit.interop.vllm_bench). vLLM runs in its own Python
+(`vllm_python=`, default: this one when it imports vllm, else .venv-vllm/bin/python from `make vllm-env`).
+
+    eaglekit bench tiny-eval.jsonl target=tiny drafter=runs/demo/train engine=vllm methods=chain chain_length=3
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ class Config:
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
+    engine: str = option("eaglekit", "eaglekit: eaglekit's own methods only; vllm: also the real vLLM with and without "
+                         "the drafter (T=0, chain of chain_length drafts)", choices=("eaglekit", "vllm"))
+    vllm_python: str = option("", "engine=vllm: a Python with vLLM (default: this one if it imports vllm, else .venv-vllm/bin/python)")
+    concurrency: tuple[int, ...] = option((1, 4, 16), "engine=vllm: requests in flight for the served sweep (empty: offline only)")
+    vllm_version_check: bool = option(True, "engine=vllm: refuse a vLLM other than the tested 0.32.0")
+    vllm_startup_timeout: float = option(600.0, "engine=vllm: seconds to wait for `vllm serve` to answer /health")
 
 
 def _sync(device) -> None:
@@ -159,9 +172,10 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    from eaglekit.report import bench_markdown
+    from eaglekit.report import bench_markdown, vllm_sweep_markdown
 
-    return "\n".join(bench_markdown(rows)) + "\n"
+    sweep = vllm_sweep_markdown(rows)
+    return "\n".join(bench_markdown(rows) + ([""] + sweep if sweep else [])) + "\n"
 
 
 def _check(config: Config) -> list[str]:
@@ -173,39 +187,34 @@ def _check(config: Config) -> list[str]:
     methods = [m for m in config.methods if not (m == "hf_assisted" and not config.assistant)]
     if any(m in ("chain", "tree") for m in methods) and not config.drafter:
         raise EaglekitError("methods chain/tree need drafter=DIR; or leave them out: methods=plain,hf,hf_prompt_lookup")
+    if config.engine == "vllm" and not config.drafter:
+        raise EaglekitError("engine=vllm serves the target with the drafter: pass drafter=DIR")
+    if not methods and config.engine != "vllm":
+        raise EaglekitError("no methods to measure: pass methods=plain,chain,... (an empty list only with engine=vllm)")
+    if any(level < 1 for level in config.concurrency):
+        raise EaglekitError(f"concurrency={config.concurrency}: each level must be >= 1 request in flight")
     if config.repeats < 1:
         raise EaglekitError("repeats must be >= 1")
     return methods
 
 
-def run(config: Config) -> dict[str, Any]:
-    from eaglekit.data import prompt_messages, read_conversations
-    from eaglekit.decode.setup import eos_ids, load_drafter, prompt_ids, resolve_backend
-    from eaglekit.manifest import atomic_write_json, atomic_write_text, environment, write_manifest
+def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]], tokenizer, result: dict[str, Any],
+                   output: Path) -> None:
+    """Measure eaglekit's own methods into result["rows"] (bench.json rewritten after each)."""
+    from eaglekit.decode.setup import eos_ids, load_drafter, resolve_backend
+    from eaglekit.manifest import atomic_write_json
     from eaglekit.runtime import resolve_device, resolve_dtype
-    from eaglekit.target.loading import load_target, load_tokenizer
+    from eaglekit.target.loading import load_target
 
-    methods = _check(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    conversations = read_conversations(config.prompts)
-    if config.num_prompts:
-        conversations = conversations[: config.num_prompts]
-    if not conversations:
-        raise EaglekitError(f"{config.prompts} holds no conversations")
     target = load_target(config.target, device, dtype, config.trust_remote_code)
-    tokenizer = load_tokenizer(config.target, config.trust_remote_code)
     drafter = load_drafter(config.drafter, target, device, dtype) if config.drafter else None
     assistant = load_target(config.assistant, device, dtype, config.trust_remote_code) if "hf_assisted" in methods else None
-    prompts = [prompt_ids(tokenizer, prompt_messages(c)) for c in conversations]
-    backend = resolve_backend(config.backend, target)
+    result["backend"] = backend = resolve_backend(config.backend, target)
     runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device,
                      max(len(p) for p in prompts))
-    rows: list[dict[str, Any]] = []
-    output = Path(config.output)
-    output.mkdir(parents=True, exist_ok=True)
-    result = {"rows": rows, "backend": backend, "num_prompts": len(prompts), "config": to_dict(config),
-              "environment": environment(), "complete": False}
+    rows = result["rows"]
     for temperature in config.temperatures:
         for method in methods:
             try:
@@ -215,6 +224,51 @@ def run(config: Config) -> dict[str, Any]:
                 rows.append({"method": method, "temperature": temperature, "error": f"{type(error).__name__}: {error}"})
             log.info("%s", rows[-1])
             atomic_write_json(output / "bench.json", result)  # an interrupted bench keeps the rows measured so far
+
+
+def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -> list[dict[str, Any]]:
+    """The real vLLM's rows; a refusal or a dead server becomes one failed row (eaglekit's rows are kept)."""
+    from eaglekit.interop.vllm_bench import EAGLE3, measure
+    from eaglekit.target.loading import resolve_target
+
+    try:
+        return measure(engine, resolve_target(config.target), config.drafter, prompts, output,
+                       max_new_tokens=config.max_new_tokens, speculative_tokens=config.chain_length,
+                       levels=config.concurrency, startup_timeout=config.vllm_startup_timeout)
+    except EaglekitError as error:
+        log.error("bench: vLLM: %s", error)
+        return [{"method": EAGLE3, "temperature": 0.0, "engine": "vllm", "error": str(error)}]
+
+
+def run(config: Config) -> dict[str, Any]:
+    from eaglekit.data import prompt_messages, read_conversations
+    from eaglekit.decode.setup import prompt_ids
+    from eaglekit.manifest import atomic_write_json, atomic_write_text, environment, write_manifest
+    from eaglekit.target.loading import load_tokenizer
+
+    methods = _check(config)
+    engine = None
+    if config.engine == "vllm":  # vLLM missing or of another version: refused before anything is measured
+        from eaglekit.interop.vllm_engine import find_engine
+
+        engine = find_engine(config.vllm_python, config.vllm_version_check)
+    conversations = read_conversations(config.prompts)
+    if config.num_prompts:
+        conversations = conversations[: config.num_prompts]
+    if not conversations:
+        raise EaglekitError(f"{config.prompts} holds no conversations")
+    tokenizer = load_tokenizer(config.target, config.trust_remote_code)
+    prompts = [prompt_ids(tokenizer, prompt_messages(c)) for c in conversations]
+    output = Path(config.output)
+    output.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    result = {"rows": rows, "backend": None, "num_prompts": len(prompts), "config": to_dict(config),
+              "environment": environment(), "complete": False}
+    if methods:
+        _eaglekit_rows(config, methods, prompts, tokenizer, result, output)
+    if engine is not None:
+        result["vllm"] = {"python": engine.python, "version": engine.version}
+        rows.extend(_vllm_rows(config, engine, prompts, output))
     result["complete"] = True
     atomic_write_json(output / "bench.json", result)
     atomic_write_text(output / "bench.md", _table(rows))

