@@ -35,10 +35,9 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from eaglekit.errors import EaglekitError
+from eaglekit.layers import INPUT_OF_LAYER, OUTPUT_OF_LAYER
 
 FORMAT = "eaglekit-eagle3"
-INPUT_OF_LAYER = "input_of_layer"  # vLLM / EAGLE convention: id i = hidden state entering decoder layer i
-OUTPUT_OF_LAYER = "output_of_layer"  # SGLang convention for explicit ids: id k = output of decoder layer k
 
 
 @dataclass(frozen=True)
