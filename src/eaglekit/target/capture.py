@@ -4,9 +4,8 @@ The decoder layer stack is found on the model object that is really loaded (a `*
 multimodal wrapper whose decoder sits deeper, e.g. `model.language_model.layers`), never by forking
 a modelling file. Hooks count their calls so that a caller can verify they fired.
 
-Layer-id convention (`INPUT_OF_LAYER`, the vLLM/EAGLE one): id i is the hidden state ENTERING
-decoder layer i; id 0 is the embedding output and id L (L = number of layers) is the last layer's
-output before the final norm. SGLang's explicit ids mean "output of layer k" = our id k + 1.
+Layer ids use `INPUT_OF_LAYER` (the vLLM/EAGLE convention): id i is the hidden state ENTERING decoder layer i
+(`eaglekit.layers` holds the conventions, their conversions and the default layers).
 """
 
 from __future__ import annotations
@@ -19,8 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
+from eaglekit.layers import (  # noqa: F401  the conventions and default layers, re-exported for capture's callers
+    INPUT_OF_LAYER,
+    OUTPUT_OF_LAYER,
+    default_aux_layers,
+    engine_aux_layers,
+    from_input_convention,
+    to_input_convention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,51 +159,6 @@ def find_decoder(model: nn.Module, path: str | None = None) -> DecoderStack:
     path, layers = candidates[0]
     norm_path, norm = _final_norm(model, _parent_path(path))
     return DecoderStack(path=path, layers=layers, norm_path=norm_path, norm=norm)
-
-
-def engine_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """What vLLM, SGLang and the reference code pick when a checkpoint names no ids: the states entering layers
-    2, L//2 and L-3 (input-of-layer). On targets under 7 layers these repeat a layer (4 layers: 2, 2, 1)."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
-_warned_small: set[int] = set()
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """The aux layers a new drafter fuses (input-of-layer): the engine default (2, L//2, L-3) when its three
-    layers are distinct and in order (L >= 7), else three distinct states spread over the target (1, L//2, L-1; 3 layers: 1, 2, 3),
-    with one warning; explicit ids are the way to choose others."""
-    if num_layers < 3:
-        raise EaglekitError(f"EAGLE-3 fuses three distinct hidden states: a target with {num_layers} decoder layers "
-                            "has too few (it needs at least 3)")
-    ids = engine_aux_layers(num_layers)
-    if ids[0] < ids[1] < ids[2]:  # low, middle, high: 7 layers and more
-        return ids
-    spread = (1, 2, 3) if num_layers == 3 else (1, num_layers // 2, num_layers - 1)
-    if num_layers not in _warned_small:
-        _warned_small.add(num_layers)
-        log.warning("a %d-layer target: the usual aux layers %s repeat a layer, so the drafter fuses %s instead "
-                    "(pass aux_layer_ids to choose)", num_layers, list(ids), list(spread))
-    return spread
-
-
-def to_input_convention(layer_ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
-    """Convert explicit ids to the input-of-layer convention."""
-    if convention == INPUT_OF_LAYER:
-        return tuple(layer_ids)
-    if convention == OUTPUT_OF_LAYER:
-        return tuple(i + 1 for i in layer_ids)
-    raise EaglekitError(f"unknown layer-id convention '{convention}'; use '{INPUT_OF_LAYER}' or '{OUTPUT_OF_LAYER}'")
-
-
-def from_input_convention(layer_ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
-    """Convert input-of-layer ids to `convention`."""
-    if convention == INPUT_OF_LAYER:
-        return tuple(layer_ids)
-    if convention == OUTPUT_OF_LAYER:
-        return tuple(i - 1 for i in layer_ids)
-    raise EaglekitError(f"unknown layer-id convention '{convention}'; use '{INPUT_OF_LAYER}' or '{OUTPUT_OF_LAYER}'")
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
