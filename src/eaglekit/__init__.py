@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
-
-from eaglekit.errors import EaglekitError  # noqa: E402
+from eaglekit.errors import EaglekitError
+from eaglekit.version import __version__
 
 
 def run_stage(name: str, config_file: str | Path | None = None, **options: Any) -> Any:

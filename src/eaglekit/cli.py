@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from eaglekit import __version__
+from eaglekit.version import __version__
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import STAGES, load_stage
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from eaglekit import __version__
+from eaglekit.version import __version__
 
 log = logging.getLogger(__name__)
 
