@@ -237,7 +237,7 @@ def test_truncation_is_counted(target_dir, data_file, tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("unknown_path", "no-such-model does not exist"),
-    ("three_layers", "has 3 decoder layers; EAGLE-3 needs at least 4"),
+    ("two_layers", "2 decoder layers has too few"),
     ("ids_out_of_range", "aux_layer_ids=.*within the target's 6 layers"),
     ("empty_data", "no records found|no conversations"),
     ("remote_code", "trust_remote_code"),
@@ -246,8 +246,8 @@ def test_bad_input(case, message, target_dir, data_file, tmp_path):
     target, data, extra = target_dir, data_file, {}
     if case == "unknown_path":
         target = tmp_path / "no-such-model"
-    elif case == "three_layers":
-        target = _save_target(tmp_path / "small", layers=3)
+    elif case == "two_layers":
+        target = _save_target(tmp_path / "small", layers=2)
     elif case == "ids_out_of_range":
         extra = {"aux_layer_ids": [2, 3, 7]}
     elif case == "empty_data":

@@ -35,7 +35,8 @@ class Config:
     output: str = option("", "output directory (shards, shard logs, manifest.json, config.yaml)")
     target: str = option("", "target model directory, hub id or 'tiny'")
     max_length: int = option(2048, "tokens per record; longer records are truncated (and counted)")
-    aux_layer_ids: tuple[int, ...] = option((), "3 layer ids to capture (empty = 2, L//2, L-3)")
+    aux_layer_ids: tuple[int, ...] = option((), "3 layer ids to capture (empty = 2, L//2, L-3; distinct ones on "
+                                            "targets under 7 layers)")
     # the choices spell out eaglekit.draft.model's conventions and eaglekit.target.store.STORAGE_DTYPES (tests/test_cli.py checks)
     aux_layer_convention: str = option("input_of_layer", "meaning of aux_layer_ids", choices=("input_of_layer", "output_of_layer"))
     dtype: str = option("bf16", "storage dtype; float8_e4m3fn halves the bytes (per-row scales)",
@@ -55,7 +56,8 @@ class Config:
     decoder_path: str = option("", "dotted path of the decoder layer list, when the search picks the wrong one")
     limit: int = option(0, "extract only the first N records (0 = all)")
     skip_errors: bool = option(False, "skip malformed input records instead of stopping")
-    overwrite: bool = option(False, "delete an existing store in output (else resume it)")
+    overwrite: bool = option(False, "delete an existing store in output (else resume it); also allows an output "
+                                    "directory that another stage wrote")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
 
 
@@ -73,6 +75,7 @@ def _check(config: Config) -> None:
 
 
 def run(config: Config) -> ExtractResult:
+    from eaglekit.manifest import claim_output
     from eaglekit.runtime import resolve_dtype
     from eaglekit.target import extract as lib
     from eaglekit.target.capture import HiddenStateCapture, find_decoder, text_config
@@ -84,6 +87,8 @@ def run(config: Config) -> ExtractResult:
     rank, world = lib.distributed()
     parallelism = writer_parallelism(config.writer_threads, config.buffers)  # (threads, buffers); fails fast
     out = Path(config.output)
+    if rank == 0:
+        claim_output(out, "extract", config.overwrite)
     target_config = load_target_config(config.target, config.trust_remote_code)  # fails fast: bad path, remote code
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
     records, stats = lib.read_records(config.data, tokenizer, config.max_length, config.chat_template, config.limit,

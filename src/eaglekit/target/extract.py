@@ -73,9 +73,7 @@ def resolve_aux_ids(aux_layer_ids: tuple[int, ...], convention: str, num_layers:
     """Requested ids in the input-of-layer convention (defaults when none given); checks the range."""
     from eaglekit.target.capture import default_aux_layers, to_input_convention
 
-    if num_layers < 4:
-        raise EaglekitError(f"target {target} has {num_layers} decoder layers; EAGLE-3 needs at least 4")
-    if not aux_layer_ids:
+    if not aux_layer_ids:  # three distinct layers (refused under 3 layers)
         return default_aux_layers(num_layers)
     ids = to_input_convention(tuple(aux_layer_ids), convention)
     if len(ids) != 3 or not all(0 <= i <= num_layers for i in ids):
