@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
-
 
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
@@ -42,6 +40,7 @@ class Config:
     init_from: str = option("", "an existing eaglekit drafter: its mapping is kept (fine-tuning)")
     rebuild: bool = option(False, "with init_from: build a new mapping anyway (train then remaps lm_head rows)")
     trust_remote_code: bool = option(False, "allow the target's custom code")
+    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by vocab")
 
 
 def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]]:
@@ -57,12 +56,10 @@ def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]
 
 
 def target_vocab_size(config: Config) -> int:
-    from transformers import AutoConfig
-
     from eaglekit.target.capture import text_config
-    from eaglekit.target.loading import resolve_target
+    from eaglekit.target.loading import load_target_config
 
-    target_config = AutoConfig.from_pretrained(resolve_target(config.target), trust_remote_code=config.trust_remote_code)
+    target_config = load_target_config(config.target, trust_remote_code=config.trust_remote_code)
     return int(text_config(target_config).vocab_size)
 
 
@@ -103,14 +100,15 @@ def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.draft.vocab import VOCAB_FILE, save_vocab
 
+    from eaglekit.manifest import claim_output
+
     if not config.output:
         raise EaglekitError("no output directory: pass output=DIR")
+    output = claim_output(config.output, "vocab", config.overwrite)
     counts, source = count(config)
     if int(counts.sum()) == 0:
         raise EaglekitError("no loss-masked (assistant) tokens found in the data; check the chat template / loss mask with `eaglekit inspect`")
     mapping, how = choose(config, counts)
-    output = Path(config.output)
-    output.mkdir(parents=True, exist_ok=True)
     path = save_vocab(output / VOCAB_FILE, mapping)
     coverage = mapping.coverage()
     seen = int((counts > 0).sum())
