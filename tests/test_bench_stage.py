@@ -13,6 +13,17 @@ from eaglekit.errors import EaglekitError
 from eaglekit.stages import bench, generate
 
 
+def check_acceptance(tau: float, rates: list[float], steps: int, new_tokens: int, prompts: int, max_drafts: int) -> None:
+    """tau and acceptance per position agree with each other and with the tokens the verify steps produced:
+    each step yields its accepted drafts plus one bonus token, each prompt's prefill one token, and a prompt's
+    last step may overshoot the length limit (or stop at EOS) by at most `max_drafts` tokens."""
+    assert len(rates) == max_drafts and all(1 >= a >= b >= 0 for a, b in zip(rates, rates[1:]))
+    assert tau == pytest.approx(1 + sum(rates))  # mean accepted drafts per step == sum of P(draft i accepted)
+    produced = prompts + round(tau * steps)
+    assert new_tokens <= produced <= new_tokens + prompts * max_drafts
+
+
+
 @pytest.fixture(scope="module")
 def drafter_dir(chat_target, tmp_path_factory):
     from transformers import AutoConfig
@@ -27,15 +38,19 @@ def drafter_dir(chat_target, tmp_path_factory):
 
 
 def test_generate_stage_methods_agree(chat_target, drafter_dir, tmp_path, capsys):
-    outputs = {}
+    outputs, configs = {}, {}
     for method in ("plain", "chain", "tree"):
-        config = load_config(generate.Config, overrides=[f"target={chat_target}", f"drafter={drafter_dir}", "prompt=hello world",
+        configs[method] = config = load_config(generate.Config, overrides=[f"target={chat_target}", f"drafter={drafter_dir}", "prompt=hello world",
                                                          f"method={method}", "max_new_tokens=12", "device=cpu",
                                                          f"output={tmp_path / method}.json"])
         outputs[method] = generate.run(config)
     assert outputs["plain"]["tokens"] == outputs["chain"]["tokens"] == outputs["tree"]["tokens"]
     saved = json.loads((tmp_path / "tree.json").read_text())
-    assert saved["tokens"] == outputs["tree"]["tokens"] and saved["tau"] >= 1.0
+    assert saved["tokens"] == outputs["tree"]["tokens"] and saved["tau"] == outputs["tree"]["tau"]
+    for method, max_drafts in (("chain", configs["chain"].chain_length), ("tree", configs["tree"].depth)):
+        out = outputs[method]
+        assert out["target_forwards"] == out["steps"] + 1  # the prefill, then one verify forward per step
+        check_acceptance(out["tau"], out["acceptance_per_position"], out["steps"], len(out["tokens"]), 1, max_drafts)
     assert "tau" in capsys.readouterr().out
 
 
@@ -60,7 +75,12 @@ def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
     assert len(methods) == 12 and ("hf_assisted", 1.0) in methods
     saved = json.loads((out / "bench.json").read_text())
     tree = next(r for r in saved["rows"] if r["method"] == "tree" and r["temperature"] == 0.0)
-    assert tree["tau"] >= 1.0 and len(tree["acceptance_per_position"]) == 3
+    for row in saved["rows"]:
+        if row["method"] in ("chain", "tree"):  # 2 prompts: one prefill forward each, then the verify steps
+            max_drafts = config.depth if row["method"] == "tree" else config.chain_length
+            check_acceptance(row["tau"], row["acceptance_per_position"], row["target_forwards"] - 2, row["new_tokens"], 2,
+                             max_drafts)
+    assert len(tree["acceptance_per_position"]) == 3
     assert all(r["tokens_per_second"] > 0 for r in saved["rows"])
     for row in saved["rows"]:  # eaglekit's rows split their time: prefills, and target forwards per new token
         if row["method"].startswith("hf"):

@@ -4,6 +4,7 @@ reports acceptance statistics on /metrics."""
 from __future__ import annotations
 
 import httpx
+import pytest
 import torch
 
 from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
@@ -32,4 +33,14 @@ def test_serve_with_drafter_matches_target_and_reports_acceptance(chat_target, t
     assert answer["choices"][0]["message"]["content"] == reference.decode(expected.ids)
     assert answer["choices"][0]["finish_reason"] == expected.finish_reason
     assert metrics["engine"]["engine"] == "eaglekit-speculative" and metrics["engine"]["requests"] == 1
-    assert metrics["engine"]["tau"] >= 1.0 and len(metrics["engine"]["acceptance_per_position"]) == 6
+    engine_stats, usage = metrics["engine"], answer["usage"]
+    assert usage["tau"] == engine_stats["tau"]  # one request: its own figures are the engine's totals
+    assert usage["acceptance_per_position"] == engine_stats["acceptance_per_position"]
+    rates, steps = engine_stats["acceptance_per_position"], engine_stats["verify_steps"]
+    assert len(rates) == 6 and all(1 >= a >= b >= 0 for a, b in zip(rates, rates[1:]))  # the default tree depth
+    assert engine_stats["tau"] == pytest.approx(1 + sum(rates))  # mean accepted drafts == sum of P(draft i accepted)
+    # the prefill gives the first token, each verify step its accepted drafts and a bonus token (the last step
+    # may overshoot max_tokens, or stop at EOS, by at most the depth)
+    produced = 1 + round(engine_stats["tau"] * steps)
+    completion = usage["completion_tokens"] + (expected.finish_reason == "stop")  # the EOS token is not returned
+    assert steps >= 1 and completion <= produced <= completion + 6
