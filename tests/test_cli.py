@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -15,12 +14,19 @@ from eaglekit.errors import EaglekitError
 from eaglekit.stages import STAGES, available
 
 
-def test_help_is_fast_and_imports_no_torch():
-    code = "import sys, time; t=time.time(); from eaglekit.cli import main; main(['--help']); print('TORCH', 'torch' in sys.modules, time.time()-t)"
-    start = time.time()
+def test_help_imports_only_the_standard_library():
+    """`eaglekit --help` imports eaglekit and the standard library only (no torch, transformers, numpy, yaml ...):
+    what keeps it fast on any machine, asserted without a clock."""
+    code = textwrap.dedent("""
+        import sys
+        before = set(sys.modules)
+        from eaglekit.cli import main
+        main(['--help'])
+        loaded = {name.split('.')[0] for name in set(sys.modules) - before}
+        print('OTHERS', sorted(loaded - set(sys.stdlib_module_names) - {'eaglekit'}))
+    """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "TORCH False" in out, out
-    assert time.time() - start < 5  # interpreter start included; the help itself is milliseconds
+    assert "OTHERS []" in out, out.splitlines()[-1]
     for name in STAGES:
         assert f"  {name}" in out
 
