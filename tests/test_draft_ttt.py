@@ -158,8 +158,7 @@ def test_compiled_ttt_module_matches_naive() -> None:
 def test_init_from_reads_other_formats_through_interop(tmp_path) -> None:
     """`train init_from=` accepts a vLLM/SGLang/speculators layout via eaglekit.interop (same weights back)."""
     pytest.importorskip("eaglekit.interop.convert")
-    from eaglekit.draft.build import load_drafter
-    from eaglekit.interop.convert import export_drafter
+    from eaglekit.interop.convert import export_drafter, load_drafter
 
     drafter = tiny_drafter()
     export_drafter(drafter, tmp_path / "vllm", "vllm")

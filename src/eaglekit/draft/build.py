@@ -105,19 +105,19 @@ def load_target_embeddings(name_or_path: str, trust_remote_code: bool = False) -
     return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
 
 
+DrafterReader = Callable[[str, int], Eagle3Drafter]  # (directory, target's layer count) -> drafter
+
+
 def load_drafter(path: str, target_num_layers: int) -> Eagle3Drafter:
-    """An eaglekit drafter; other layouts through `eaglekit.interop` when that package provides it."""
+    """An eaglekit drafter (`init_from`); other layouts need a reader that knows them, such as
+    `eaglekit.interop.convert.load_drafter`, which `eaglekit train` passes to `prepare_drafter`."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise EaglekitError(f"init_from={path}: no config.json there; give a drafter directory")
-    if json.loads(config_path.read_text()).get("format") == FORMAT:
-        return Eagle3Drafter.from_pretrained(path)
-    try:
-        from eaglekit.interop.convert import import_checkpoint
-    except ImportError:
-        raise EaglekitError(f"init_from={path} is not in eaglekit format and this install cannot import other formats; "
-                            "convert it with `eaglekit import` first") from None
-    return import_checkpoint(path, target_num_layers=target_num_layers)
+    if json.loads(config_path.read_text()).get("format") != FORMAT:
+        raise EaglekitError(f"init_from={path} is not in eaglekit format; convert it with `eaglekit import` first, or "
+                            "train through `eaglekit train`, which reads the EAGLE/SGLang/vLLM/speculators layouts")
+    return Eagle3Drafter.from_pretrained(path)
 
 
 def with_vocab(drafter: Eagle3Drafter, mapping: VocabMapping, seed: int) -> tuple[Eagle3Drafter, int]:
@@ -162,6 +162,7 @@ def prepare_drafter(
     aux_layers: tuple[int, ...],  # input-of-layer ids
     architecture: str,
     count_tokens_fn: Callable[[], torch.Tensor],
+    read_drafter: DrafterReader = load_drafter,  # loads `init_from`
 ) -> tuple[Eagle3Drafter, str]:
     """The drafter to train and a note on where its vocabulary came from."""
     vocab = load_vocab(options.vocab) if options.vocab else None
@@ -177,7 +178,7 @@ def prepare_drafter(
         drafter.set_vocab_mapping(mapping.used_ids)
         note = f"from {options.vocab}" if vocab else "built from the training data"
         return drafter, f"{note} (coverage {select_coverage(mapping, count_tokens_fn):.2%})"
-    drafter = load_drafter(options.init_from, int(text_config.num_hidden_layers))
+    drafter = read_drafter(options.init_from, int(text_config.num_hidden_layers))
     check_against_target(drafter.config, text_config, options.init_from)
     from eaglekit.target.capture import to_input_convention
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from eaglekit.draft.build import load_target_embeddings, prepare_drafter
+from eaglekit.draft.build import DrafterReader, load_drafter, load_target_embeddings, prepare_drafter
 from eaglekit.draft.data import OfflineSource, OnlineSource, conversation_records, shard_tokens
 from eaglekit.draft.model import INPUT_OF_LAYER, Eagle3Drafter
 from eaglekit.draft.vocab import VOCAB_FILE, count_tokens, mapping_from_drafter, save_vocab
@@ -62,8 +62,10 @@ def _tokenizer_hash(config: Any) -> str | None:
         return None
 
 
-def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Drafter, Any, dict[str, Any]]:
-    """(drafter with vocab and target embedding, data source, identity for the manifest)."""
+def setup(config: Any, d: Any, stack: contextlib.ExitStack,
+          read_drafter: DrafterReader = load_drafter) -> tuple[Eagle3Drafter, Any, dict[str, Any]]:
+    """(drafter with vocab and target embedding, data source, identity for the manifest); `read_drafter` loads
+    `init_from` (see `eaglekit.draft.build.prepare_drafter`)."""
     from eaglekit.runtime import resolve_dtype
     from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, text_config, to_input_convention
     from eaglekit.target.identity import target_config_hash
@@ -89,7 +91,7 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack) -> tuple[Eagle3Draft
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
     aux_layers = tuple(config.aux_layers) or default_aux_layers(int(tc.num_hidden_layers))
-    drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts)
+    drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts, read_drafter)
     if config.init_from:
         check_drafter_target(drafter.config, target_config, config.init_from, config.target)
     drafter.load_target_embedding(embed.detach().float().cpu())

@@ -337,13 +337,16 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def train(config: TrainConfig, step_callback: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
-    """Run a training stage to completion (see the module docstring)."""
+def train(config: TrainConfig, step_callback: Callable[[int, Any], None] | None = None,
+          read_drafter: Callable[[str, int], Eagle3Drafter] | None = None) -> dict[str, Any]:
+    """Run a training stage to completion (see the module docstring). `read_drafter(path, target_layers)` loads
+    `init_from` (default: eaglekit's own format; `eaglekit train` passes `eaglekit.interop.convert.load_drafter`)."""
+    from eaglekit.draft.build import load_drafter
     from eaglekit.draft.setup import finish, setup
 
     d = setup_distributed(config.device)
     with contextlib.ExitStack() as stack:
-        drafter, source, identity = setup(config, d, stack)
+        drafter, source, identity = setup(config, d, stack, read_drafter or load_drafter)
         trainer = Trainer(config, d, drafter, source, identity, step_callback)
         if d.main:
             save_resolved(config, config.output)

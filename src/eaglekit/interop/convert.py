@@ -209,6 +209,17 @@ def import_checkpoint(source: str | Path, from_format: str = "auto", target_num_
     return _build(config, state, source)
 
 
+def load_drafter(path: str | Path, target_num_layers: int | None = None) -> Eagle3Drafter:
+    """A drafter directory in any supported layout: eaglekit's own (`Eagle3Drafter.from_pretrained`) or one that
+    `import_checkpoint` reads. What `eaglekit train init_from=` loads (the stage hands it to the training setup)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise EaglekitError(f"init_from={path}: no config.json there; give a drafter directory")
+    if formats.detect_format(formats.read_config(path)) == "eaglekit":
+        return Eagle3Drafter.from_pretrained(path)
+    return import_checkpoint(path, target_num_layers=target_num_layers)
+
+
 def _build(config: DrafterConfig, state: dict[str, torch.Tensor], source: Path) -> Eagle3Drafter:
     drafter = Eagle3Drafter(config)
     expected = drafter.state_dict()

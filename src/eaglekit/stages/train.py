@@ -21,5 +21,6 @@ Config = TrainConfig  # the options live with the library (eaglekit.train_config
 
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.draft.train import train
+    from eaglekit.interop.convert import load_drafter  # init_from in any layout eaglekit reads
 
-    return train(config)
+    return train(config, read_drafter=load_drafter)
