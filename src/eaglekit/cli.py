@@ -88,6 +88,20 @@ def _show(print_help, *args) -> int:
     return 0
 
 
+def os_error_message(error: OSError) -> str:
+    """One line for a filesystem error: what failed on which path, and the fix."""
+    import errno
+
+    where = f" ({error.filename})" if error.filename else ""
+    if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return f"disk full{where}: free space there or pass output= a directory on another disk, then re-run the same command"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"permission denied{where}: pass a path you can write to"
+    if error.errno == errno.ENOTDIR:
+        return f"a file stands where a directory is needed{where}: choose another output path"
+    return f"{error.strerror or error}{where}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -115,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         stage.run(config)
     except EaglekitError as error:
         print(f"eaglekit {name}: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # a filesystem problem no stage turned into an EaglekitError: still one line
+        print(f"eaglekit {name}: error: {os_error_message(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"eaglekit {name}: interrupted; finished work is kept, re-run the same command to continue", file=sys.stderr)

@@ -318,6 +318,10 @@ def _section_training(info: dict[str, Any], plotted: bool) -> list[str]:
                   "| accuracy | " + " | ".join(f"{a:.3f}" for a in val["acc_k"]) + " |"]
         if val.get("loss_k"):
             lines.append("| loss | " + " | ".join(f"{v:.3f}" for v in val["loss_k"]) + " |")
+        from eaglekit.report_notes import loss_note
+
+        note = loss_note(val, float((train.get("config") or {}).get("step_decay", 0.8)))
+        lines += ["", note] if note else []
     else:
         lines.append("No validation split (val_fraction=0 or too few records).")
     return lines
@@ -406,7 +410,10 @@ def write_report(out: str | Path) -> Report:
     if accepted:
         plots.append(out / ACCEPTANCE_PLOT)
     numbers = headline(info)
+    from eaglekit.report_notes import headline_notes
+
     lines = _section_steps(info) + ["", f"**Headline:** {headline_text(numbers)}."]
+    lines += [item for note in headline_notes(numbers, info, _served_target(info)) for item in ("", note)]
     lines += _section_data(info) + _section_training(info, trained) + _section_decoding(info, accepted)
     lines += _section_export(info) + _section_doctor(info)
     path = out / "report.md"
