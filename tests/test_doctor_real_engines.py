@@ -113,7 +113,7 @@ def test_sglang_release(tmp_path):
 def test_export_layout_matches_the_real_loaders():
     """What `eaglekit export` writes is what these releases' loaders read (architecture, tensor prefix, id keys)."""
     from eaglekit.interop import formats
-    from eaglekit.interop.engine_doctor import sglang_registry, vllm_registry
+    from eaglekit.interop.engine_facts import sglang_registry, vllm_registry
     from eaglekit.interop.engine_source import open_source
     from eaglekit.interop.pysource import ModuleIndex
 

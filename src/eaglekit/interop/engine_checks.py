@@ -8,9 +8,9 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from eaglekit.interop.engine_doctor import (
-    NOT_SUPPORTED, SUPPORTED, UNKNOWN, VLLM_ALLOW_LIST_MODULES, VLLM_INTERFACES, Target, _class_of_value, _in_mro,
-    _method_facts, decoder_facts, default_layers, forward_passthrough, lookup, sglang_registry, vllm_registry,
+from eaglekit.interop.engine_facts import (
+    NOT_SUPPORTED, SUPPORTED, UNKNOWN, VLLM_ALLOW_LIST_MODULES, VLLM_INTERFACES, Target, class_of_value, in_mro,
+    method_facts, decoder_facts, default_layers, forward_passthrough, lookup, sglang_registry, vllm_registry,
 )
 from eaglekit.interop.engine_source import EngineSource
 from eaglekit.interop.pysource import ClassInfo, ModuleIndex
@@ -42,11 +42,11 @@ def vllm_interface(index: ModuleIndex, cls: ClassInfo, protocol: ClassInfo) -> d
         if isinstance(entry, ClassInfo):
             required += [m for m in entry.methods() if not m.startswith("_") and m not in required]
     protocols = tuple(e.name for e in index.mro(protocol) if isinstance(e, ClassInfo))
-    methods = _method_facts(index, cls, required, protocols)
-    in_mro = _in_mro(index, cls, protocol.name) is not None
-    flag = in_mro or any(isinstance(e, ClassInfo) and "supports_eagle3" in e.class_attributes() for e in index.mro(cls))
+    methods = method_facts(index, cls, required, protocols)
+    found_in_mro = in_mro(index, cls, protocol.name) is not None
+    flag = found_in_mro or any(isinstance(e, ClassInfo) and "supports_eagle3" in e.class_attributes() for e in index.mro(cls))
     implements = flag and all(m["status"] != "missing" for m in methods.values())
-    return {"interface": protocol.name, "in_mro": in_mro, "flag": flag, "methods": methods, "implements": implements,
+    return {"interface": protocol.name, "in_mro": found_in_mro, "flag": flag, "methods": methods, "implements": implements,
             "getter": next((m for m in required if m.startswith("get_eagle3")), None)}
 
 
@@ -74,7 +74,7 @@ def _inner_model(index: ModuleIndex, assignments: list, registry: dict, target: 
     real = [(o, v) for o, v in assignments if not (isinstance(v, ast.Constant) and v.value is None)] or assignments
     first = None
     for owner, value in real:
-        inner, how = _class_of_value(index, owner, value, registry, target.text_architecture)
+        inner, how = class_of_value(index, owner, value, registry, target.text_architecture)
         first = first or (owner, value, inner, how)
         if inner is not None:
             return owner, value, inner, how
@@ -193,7 +193,7 @@ def check_sglang(index: ModuleIndex, source: EngineSource, target: Target) -> di
     if cls is None:
         return _unknown(report, f"EntryClass of {module} names {name}, which the doctor could not resolve")
     report["class"] = _class_entry(cls, source)
-    methods = _method_facts(index, cls, list(SGLANG_METHODS), ())
+    methods = method_facts(index, cls, list(SGLANG_METHODS), ())
     report["interface"] = {"interface": "set_eagle3_layers_to_capture", "methods": methods,
                            "implements": all(m["status"] != "missing" for m in methods.values())}
     wrapper, inner = None, None
@@ -202,7 +202,7 @@ def check_sglang(index: ModuleIndex, source: EngineSource, target: Target) -> di
         owner, value, inner, how = _inner_model(index, assignments, registry, target)
         wrapper = {"attribute": "language_model", "assigned_at": f"{owner.relative}:{value.lineno}", "inner_how": how,
                    "inner": _class_entry(inner, source) if inner else None,
-                   "inner_interface": ({"methods": _method_facts(index, inner, list(SGLANG_METHODS), ())} if inner else None)}
+                   "inner_interface": ({"methods": method_facts(index, inner, list(SGLANG_METHODS), ())} if inner else None)}
     report["wrapper"] = wrapper
     report["decoder"] = decoder_facts(index, inner or cls) if (inner or not wrapper) else None
     layers = default_layers(index, cls, "set_eagle3_layers_to_capture", target.num_layers, attribute="layers_to_capture")
