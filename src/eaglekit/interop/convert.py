@@ -70,6 +70,12 @@ def _export_state(drafter: Eagle3Drafter, dtype: torch.dtype, include_embedding:
         if include_embedding and embedding is not None:
             log.warning("the drafter's embedding is all zeros (never loaded): leaving it out, the engine uses the target's")
         state.pop("embed_tokens.weight", None)
+    if drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        # the full vocabulary: d2t is all zeros (identity), and vLLM's eagle3 loader has no parameter to put it in
+        # ("There is no module or parameter named 'draft_id_to_target_id'", vLLM 0.32), so leave the mapping out
+        assert "d2t" not in state or not bool(state["d2t"].any()), "a full draft vocabulary maps every id to itself"
+        state.pop("d2t", None)
+        state.pop("t2d", None)
     return state
 
 
