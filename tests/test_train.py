@@ -104,7 +104,7 @@ def test_offline_shards_give_the_same_loss_as_online(chat_target, data_file, tmp
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["acc_k"] == pytest.approx(b["acc_k"])
     # shards from layers other than the drafter's are refused
     with pytest.raises(EaglekitError, match="aux_layer_ids"):
-        stage.run(options(chat_target, data_file, tmp_path / "bad", data=[], shards=str(store), aux_layers=[2, 2, 1]))
+        stage.run(options(chat_target, data_file, tmp_path / "bad", data=[], shards=str(store), aux_layer_ids=[2, 2, 1]))
 
 
 def test_init_from_keeps_mapping_and_remaps_on_request(chat_target, data_file, tmp_path):

@@ -113,7 +113,10 @@ def _build(cls: type[C], values: dict[str, Any], prefix: str) -> C:
     hints = _hints(cls)
     names = {f.name: f for f in dataclasses.fields(cls)}
     all_keys = valid_keys(cls)
+    renamed = getattr(cls, "RENAMED", {})
     for key in values:
+        if key in renamed:
+            raise EaglekitError(f"config key '{prefix}{key}' is now called '{prefix}{renamed[key]}' (same meaning): rename it")
         if key not in names:
             raise EaglekitError(f"unknown config key '{prefix}{key}'" + _suggest(prefix + key, [prefix + k for k in all_keys]))
     kwargs: dict[str, Any] = {}

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from eaglekit.config import option
 
@@ -15,6 +16,8 @@ from eaglekit.config import option
 @dataclass(frozen=True)
 class TrainConfig:
     """Every option of a training run (`eaglekit train KEY=VALUE ...`); the defaults are the CLI's."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"aux_layers": "aux_layer_ids"}  # old key -> new (refused, naming the new)
 
     target: str = option("", "target model (path, hub id or 'tiny'): config, embedding, lm_head (and the model itself online)")
     shards: str = option("", "offline mode: an `extract` output directory")
@@ -29,11 +32,12 @@ class TrainConfig:
     freeze_lm_head: bool = option(False, "keep lm_head fixed while training (speculators' choice; with lm_head_init=target)")
     init_std: float = option(0.0, "a fresh drafter's linear layers: 0 = torch's default init (uniform, std 1/sqrt(3 fan_in)); "
                              "> 0 = normal with this std (Hugging Face's scheme, speculators' drafters: 0.02)")
-    aux_layers: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids; empty = (2, L//2, L-3) or init_from's")
+    aux_layer_ids: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids (as extract's); empty = "
+                                            "init_from's, else (2, L//2, L-3), distinct ones under 7 layers")
     ttt_steps: int = option(7, "training-time-test steps K")
     step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k")
     epochs: int = option(1, "passes over the training split")
-    max_steps: int = option(0, "stop after this many optimizer steps (0 = run all epochs)")
+    max_steps: int = option(0, "optimizer steps to run, over as many epochs as that takes (0 = `epochs` decides)")
     batch_size: int = option(4, "sequences per micro-batch per process")
     grad_accum: int = option(1, "micro-batches per optimizer step")
     max_length: int = option(2048, "tokens per sequence (longer ones are truncated)")
@@ -54,6 +58,7 @@ class TrainConfig:
     save_every: int = option(500, "checkpoint every N optimizer steps (and at each epoch end)")
     keep_checkpoints: int = option(2, "checkpoints kept on disk")
     resume: bool = option(False, "continue from the latest checkpoint in output")
+    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by train")
     log_every: int = option(10, "train metrics line every N optimizer steps")
     seed: int = option(0, "seed for initialisation and data order")
     split_seed: int = option(0, "seed of the train/validation split (kept apart from `seed`, so runs that differ in seed are "

@@ -183,9 +183,9 @@ def prepare_drafter(
     from eaglekit.target.capture import to_input_convention
 
     own = to_input_convention(drafter.config.aux_layer_ids, drafter.config.aux_layer_convention)
-    if options.aux_layers and tuple(options.aux_layers) != tuple(own):
-        raise EaglekitError(f"aux_layers={list(options.aux_layers)} differ from {options.init_from}'s layers {list(own)} "
-                            f"({INPUT_OF_LAYER} ids); drop aux_layers= to keep the drafter's")
+    if options.aux_layer_ids and tuple(options.aux_layer_ids) != tuple(own):
+        raise EaglekitError(f"aux_layer_ids={list(options.aux_layer_ids)} differ from {options.init_from}'s layers {list(own)} "
+                            f"({INPUT_OF_LAYER} ids); drop aux_layer_ids= to keep the drafter's")
     current = mapping_from_drafter(drafter)
     if vocab is None and options.rebuild_vocab:
         vocab = select_vocab(count_tokens_fn(), options.draft_vocab_size)

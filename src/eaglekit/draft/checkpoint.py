@@ -54,8 +54,12 @@ def save_checkpoint(directory: Path, step: int, drafter_state: dict[str, torch.T
     tmp = directory / f".tmp-step-{step:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_drafter(tmp)
-    torch.save(trainer_state, tmp / "trainer.pt")
+    try:
+        save_drafter(tmp)
+        torch.save(trainer_state, tmp / "trainer.pt")
+    except BaseException:  # a full disk, Ctrl-C: no half-written checkpoint is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

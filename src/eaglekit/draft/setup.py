@@ -72,6 +72,10 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
     from eaglekit.target.loading import load_target, load_target_config, load_tokenizer
 
     _check(config, d.world)
+    if d.main:
+        from eaglekit.manifest import claim_output
+
+        claim_output(config.output, "train", config.overwrite)
     target_config = load_target_config(config.target, trust_remote_code=config.trust_remote_code)
     tc = text_config(target_config)
     architecture = (getattr(target_config, "architectures", None) or [type(target_config).__name__])[0]
@@ -87,10 +91,14 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
                              device_map=config.device_map or None)
         tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
         records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template)
+        if not records:
+            raise EaglekitError(f"no assistant tokens in DATA: {', '.join(config.data)}: no conversation has an assistant "
+                                "answer to learn from after the chat template; check the roles with `eaglekit inspect "
+                                f"{config.data[0]} target={config.target}` (or pass chat_template=)")
         tokens = [(r["input_ids"], r["loss_mask"]) for r in records]
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
-    aux_layers = tuple(config.aux_layers) or default_aux_layers(int(tc.num_hidden_layers))
+    aux_layers = tuple(config.aux_layer_ids) or (() if config.init_from else default_aux_layers(int(tc.num_hidden_layers)))
     drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts, read_drafter)
     if config.init_from:
         check_drafter_target(drafter.config, target_config, config.init_from, config.target)

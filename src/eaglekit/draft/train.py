@@ -34,7 +34,7 @@ from eaglekit.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 # options that change neither the data order nor the math: a run may resume with other values
-RESUME_IGNORED = ("resume", "log_every", "val_every", "save_every", "keep_checkpoints", "compile", "device", "device_map",
+RESUME_IGNORED = ("resume", "overwrite", "log_every", "val_every", "save_every", "keep_checkpoints", "compile", "device", "device_map",
                   "pad_to_multiple")
 AUTO_PAD_CUDA = 128  # pad_to_multiple=0 on CUDA: at most max_length/128 distinct lengths reach the kernels
 
@@ -137,6 +137,8 @@ class Trainer:
         self.record_counts = (mean_mask_counts(source.tokens, self.train_idx, config.max_length, config.ttt_steps).to(d.device)
                               if config.step_weighting == "tokens" else None)
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
+        if d.main:
+            log.info("training %d optimizer steps: %s", self.total_steps, self._schedule_note())
         self.warmup = config.warmup_steps if config.warmup_steps >= 0 else round(0.03 * self.total_steps)
         self.position = Position()
         resume_from = self._resume_point()
@@ -150,6 +152,13 @@ class Trainer:
             self.optimizer, functools.partial(lr_factor, warmup=self.warmup, total=self.total_steps, min_ratio=config.min_lr_ratio))
         if resume_from is not None:
             self._restore(resume_from)
+
+    def _schedule_note(self) -> str:
+        c, per_epoch = self.config, self.steps_per_epoch
+        if c.max_steps:
+            return (f"max_steps={c.max_steps} decides (epochs={c.epochs} is ignored): {c.max_steps / per_epoch:.1f} passes "
+                    f"over {len(self.train_idx)} training records at {per_epoch} steps each")
+        return f"{c.epochs} epoch(s) x {per_epoch} steps over {len(self.train_idx)} training records"
 
     # --- setup --------------------------------------------------------------------------------
     def _wrap(self, drafter: Eagle3Drafter) -> nn.Module:
@@ -229,7 +238,8 @@ class Trainer:
         c, pos = self.config, self.position
         last_val: dict[str, Any] = {}
         bar = tqdm(total=self.total_steps, initial=pos.step, desc="train", unit="step", disable=not self.d.main or None)
-        while pos.epoch < c.epochs and pos.step < self.total_steps:
+        self._clock = (time.perf_counter(), pos.step)  # for the ETA of the log lines shown instead of the bar
+        while (c.max_steps or pos.epoch < c.epochs) and pos.step < self.total_steps:  # max_steps wins over epochs
             batches = epoch_batches(self.train_idx, self.source.lengths, c.batch_size, self.d.world, c.seed, pos.epoch)
             while pos.batch < len(batches) and pos.step < self.total_steps:
                 group = batches[pos.batch : pos.batch + c.grad_accum]
@@ -258,9 +268,21 @@ class Trainer:
         metrics.update(step=pos.step, epoch=pos.epoch, split="train", lr=self.scheduler.get_last_lr()[0],
                        tokens_per_s=metrics["batch_tokens"] / max(time.perf_counter() - started, 1e-9))
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_k'][0]:.3f}", lr=f"{metrics['lr']:.2e}")
+        bar.set_postfix({"loss": f"{metrics['loss']:.3f}", "acc@1": f"{metrics['acc_k'][0]:.3f}",
+                         "tok/s": f"{metrics['tokens_per_s']:.0f}", "lr": f"{metrics['lr']:.2e}"})
         if pos.step % max(1, self.config.log_every) == 0 or pos.step == self.total_steps:
             self._write_metrics(metrics)
+            if bar.disable and self.d.main:  # no terminal (a log file, CI): a line every log_every steps instead
+                log.info("step %d/%d (epoch %d): loss %.3f, acc@1 %.3f, %.0f tokens/s, ETA %s", pos.step, self.total_steps,
+                         pos.epoch + 1, metrics["loss"], metrics["acc_k"][0], metrics["tokens_per_s"], self._eta())
+
+    def _eta(self) -> str:
+        start, first = getattr(self, "_clock", (time.perf_counter(), self.position.step))
+        done = self.position.step - first
+        if done <= 0:
+            return "unknown"
+        seconds = round((time.perf_counter() - start) / done * (self.total_steps - self.position.step))
+        return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
     @torch.no_grad()
     def validate(self, bar: Any = None) -> dict[str, Any]:
@@ -285,7 +307,11 @@ class Trainer:
         metrics = summarize(all_reduce(sums, self.d), self.config.step_decay)
         metrics.update(step=self.position.step, epoch=self.position.epoch, split="val")
         if bar is not None:
-            bar.set_postfix(val_loss=f"{metrics['loss']:.3f}", val_acc0=f"{metrics['acc_k'][0]:.3f}", tau=f"{metrics['tau']:.2f}")
+            bar.set_postfix({"val_loss": f"{metrics['loss']:.3f}", "val_acc@1": f"{metrics['acc_k'][0]:.3f}",
+                             "tau": f"{metrics['tau']:.2f}"})
+        if self.d.main:
+            log.info("validation at step %d: loss %.3f, acc@1 %.3f, estimated tau %.2f", self.position.step,
+                     metrics["loss"], metrics["acc_k"][0], metrics["tau"])
         self._write_metrics(metrics)
         return metrics
 
@@ -344,8 +370,10 @@ def train(config: TrainConfig, step_callback: Callable[[int, Any], None] | None 
     from eaglekit.draft.build import load_drafter
     from eaglekit.draft.setup import finish, setup
 
+    from eaglekit.manifest import write_errors
+
     d = setup_distributed(config.device)
-    with contextlib.ExitStack() as stack:
+    with write_errors(config.output, "training checkpoints and drafter"), contextlib.ExitStack() as stack:
         drafter, source, identity = setup(config, d, stack, read_drafter or load_drafter)
         trainer = Trainer(config, d, drafter, source, identity, step_callback)
         if d.main:
