@@ -45,6 +45,7 @@ class Config:
     drafter: str = option("", "eaglekit drafter directory (for chain and tree)")
     prompts: str = option("", "prompt file: JSONL/JSON conversations (OpenAI messages, ShareGPT, prompt/completion)")
     output: str = option("runs/bench", "directory for bench.json, bench.md, bench.png")
+    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by bench")
     methods: tuple[str, ...] = option(ALL_METHODS, "methods to measure (subset of: " + ", ".join(ALL_METHODS) + ")")
     temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures to measure at")
     num_prompts: int = option(0, "use the first N prompts (0 = all)")
@@ -243,7 +244,7 @@ def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.data import prompt_messages, read_conversations
     from eaglekit.decode.setup import prompt_ids
-    from eaglekit.manifest import atomic_write_json, atomic_write_text, environment, write_manifest
+    from eaglekit.manifest import atomic_write_json, atomic_write_text, claim_output, environment, write_manifest
     from eaglekit.target.loading import load_tokenizer
 
     methods = _check(config)
@@ -259,8 +260,7 @@ def run(config: Config) -> dict[str, Any]:
         raise EaglekitError(f"{config.prompts} holds no conversations")
     tokenizer = load_tokenizer(config.target, config.trust_remote_code)
     prompts = [prompt_ids(tokenizer, prompt_messages(c)) for c in conversations]
-    output = Path(config.output)
-    output.mkdir(parents=True, exist_ok=True)
+    output = claim_output(config.output, "bench", config.overwrite)
     rows: list[dict[str, Any]] = []
     result = {"rows": rows, "backend": None, "num_prompts": len(prompts), "config": to_dict(config),
               "environment": environment(), "complete": False}
