@@ -166,3 +166,16 @@ def write_errors(directory: str | Path, what: str = "output") -> Iterator[None]:
             raise EaglekitError(f"cannot write the {what} in {directory} ({error.strerror}): pass output= a directory "
                                 "you can write to") from None
         raise
+
+
+def check_output_file(path: str | Path, example: str = "result.json") -> Path:
+    """An output FILE path that a stage may write: not an existing directory, its parent not a file."""
+    from eaglekit.errors import EaglekitError
+
+    path = Path(path)
+    if path.is_dir():
+        raise EaglekitError(f"output {path} is a directory; pass output= a file path, e.g. output={path / example}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise EaglekitError(f"output {path}: {parent} is a file, not a directory; choose another output path")
+    return path

@@ -86,6 +86,10 @@ def run(config: Config) -> dict[str, Any]:
         raise EaglekitError("no data given: eaglekit inspect FILE.jsonl --target DIR")
     if config.max_length < 0 or config.limit < 0:
         raise EaglekitError("max_length and limit must be >= 0 (0 = no limit)")
+    if config.output:
+        from eaglekit.manifest import check_output_file
+
+        check_output_file(config.output, "inspect.json")
     read = load_conversations(list(config.data), skip_errors=config.skip_errors)
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
     chosen = read.conversations[: config.limit] if config.limit else read.conversations
