@@ -1,7 +1,7 @@
-"""Gather the result files of one machine's runs into one JSON (`benchmarks/results/<date>-<machine>.json`).
+"""Gather benchmark result files into one JSON (e.g. to compare two machines' runs side by side).
 
-    python benchmarks/collect.py --out benchmarks/results/2026-12-02-h200.json benchmarks/results/2026-12-02-h200-*.json \
-        benchmarks/results/reference/2026-12-02-h200-*.json benchmarks/results/reference/2026-12-02-h200-run2-drafter_metrics.jsonl
+    python benchmarks/collect.py --out runs/benchmarks/collected.json benchmarks/results/latest/*.json \
+        benchmarks/results/latest/reference_drafter_metrics.jsonl
 
 Each input lands under its file name (without the date-machine prefix); a training-metrics JSONL contributes
 its last validation record. Nothing is computed here: every figure is the one its benchmark wrote.

@@ -1,4 +1,4 @@
-"""Decode-path probes behind three fast-path choices (session 6, H200): top-k variants, what SDPA costs
+"""Decode-path probes behind three fast-path choices: top-k variants, what SDPA costs
 the first time it meets a shape, and what a fused step costs per prompt.
 
     python benchmarks/decode_probe.py --out X.json        # a CUDA GPU; ~5 min
@@ -13,8 +13,8 @@ the first time it meets a shape, and what a fused step costs per prompt.
   that path in both rows);
 - `fixed_cost`: per method, [ms per step, steps, prefill ms] at 32 and 128 new tokens, and at prompt
   lengths never seen before, with the two-pass top-k on (`TOPK_CHUNK` 128) and off.
-Session 6's run (an earlier form of this script, before `static.attention`; its two-pass rows are named
-`_chunk128` / `_chunk256`): `results/2026-12-03-h200-s6-probe.json`.
+Measured on an H200 (an earlier form of this script, before `static.attention`; its two-pass rows are named
+`_chunk128` / `_chunk256`): `results/latest/decode_probe.json`.
 """
 
 from __future__ import annotations

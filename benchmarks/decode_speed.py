@@ -1,8 +1,8 @@
 """Plain batch-1 decoding speed: eaglekit's static fast path vs HF `generate` vs the bandwidth bound.
 
-    python benchmarks/decode_speed.py --output runs/decode_speed.json          # GPU, 8B-shaped Llama, bf16
+    python benchmarks/decode_speed.py                                          # GPU, 8B-shaped Llama, bf16
     python benchmarks/decode_speed.py --shape reference --output X.json --profile X.txt  # the reference shape, profiled
-    python benchmarks/decode_speed.py --smoke --output /tmp/decode_speed.json  # CPU, tiny shapes
+    python benchmarks/decode_speed.py --smoke                                  # CPU, tiny shapes
 
 The model is an 8B-shaped Llama with random weights (built on the meta device, materialised on the
 GPU). The bound is model bytes / measured copy bandwidth (read + write bytes per second of a large
@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,7 +141,8 @@ def compile_counters() -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (proves the script runs)")
-    parser.add_argument("--output", default="runs/decode_speed.json")
+    parser.add_argument("--output", default="", help="JSON path (default runs/benchmarks/decode_speed.json; "
+                        "--smoke: decode_speed_smoke.json in the temporary directory)")
     parser.add_argument("--shape", default="8b", choices=("8b", "reference"), help="8B-shaped Llama, or the reference target's shape")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-verify-sweep", action="store_true", help="do not time the eager verify cost per token count")
     parser.add_argument("--no-compile", action="store_true", help="static path without torch.compile")
     args = parser.parse_args(argv)
+    args.output = args.output or (str(Path(tempfile.gettempdir()) / "decode_speed_smoke.json") if args.smoke
+                                  else "runs/benchmarks/decode_speed.json")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     new_tokens = 16 if args.smoke else args.new_tokens

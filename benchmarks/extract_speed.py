@@ -248,7 +248,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shard-dir", default=None, help="where shards are written (default: the system temp dir)")
     parser.add_argument("--no-tiny", action="store_true", help="skip the built-in tiny target")
     parser.add_argument("--no-quant", action="store_true", help="skip the bf16/float8 storage-error measurement")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract_speed[_smoke].json)")
+    parser.add_argument("--out", default=None, help="JSON path (default runs/benchmarks/extract_speed.json; --smoke: extract_speed_smoke.json in the temporary directory)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shape, args.batch_size, args.seq_len, args.steps, args.repeats, args.shard_mb = "smoke", 2, 64, 3, 2, 0.05
@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
               "tiny_target": "measured" if tiny is not None else "not measured (--no-tiny)" if args.no_tiny
               else "absent from this checkout (src/eaglekit/assets/tiny_target)",
               "results": rows, "goal_met": all(r["ratio"] >= GOAL for r in rows) if device.type == "cuda" else None}
-    out = Path(args.out or Path(__file__).parent / "results" / f"extract_speed{'_smoke' if args.smoke else ''}.json")
+    out = Path(args.out or (Path(tempfile.gettempdir()) / "extract_speed_smoke.json" if args.smoke
+                            else "runs/benchmarks/extract_speed.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(rows))

@@ -1,7 +1,7 @@
 """Peer-trainer comparison: eaglekit's drafter against one trained by vLLM's `speculators` on the same data.
 
-    python benchmarks/peer_speculators.py --run runs/demo --peer-python /tmp/specvenv/bin/python \
-        --out benchmarks/results/peer_speculators_tiny_cpu.json
+    make speculators-env                                   # .venv-speculators: speculators 0.9.0 in a venv of its own
+    python benchmarks/peer_speculators.py --run runs/demo --out runs/benchmarks/peer_speculators_tiny_cpu.json
     python benchmarks/peer_speculators.py --run runs/demo --device cuda --bench --peer-python python3 --out X.json
     python benchmarks/peer_speculators.py --run runs/demo --steps 200 --out X.json    # another step count
     python benchmarks/peer_speculators.py --run runs/demo --no-peer --variants lm_head_init=random freeze_lm_head=true --out X.json
@@ -40,7 +40,7 @@ attention, on CUDA speculators' default flex attention (packed length a multiple
 loss is the eager KL (`--peer-loss`). If the peer fails, the JSON holds eaglekit's figures, the conversion and
 the error (`status: peer_failed`), and the script exits with a one-line message naming the failing line.
 
-Carrying speculators to a GPU machine without internet (its torch is used; 6.9 MB of wheels): here,
+Installing speculators on a GPU host without internet (the host's torch is used; 6.9 MB of wheels): on a machine with it,
 `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 --platform manylinux2014_x86_64 -d .whl` speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1
 multiprocess==0.70.19 pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4
@@ -68,8 +68,7 @@ from typing import Any, Callable
 import torch
 
 PEER_VERSION = "0.9.0"
-INSTALL_HINT = (f"python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install torch==2.13.0 && /tmp/specvenv/bin/pip install "
-                f"speculators=={PEER_VERSION} && /tmp/specvenv/bin/pip uninstall -y torchvision torchaudio")
+INSTALL_HINT = f"make speculators-env (a venv .venv-speculators with speculators=={PEER_VERSION}; see the Makefile)"
 # speculators' flex-attention TTT mask grows by whole 128-token blocks (models/eagle3/attention.py,
 # extend_mask_for_draft_tokens), so a packed length off that grid fails at the second TTT step (H200, 2026-12-03:
 # "block_mask was created for ... (1, 1, 768, 1536) but got q_len=648 and kv_len=1296")
@@ -521,8 +520,9 @@ def parse(argv: list[str] | None) -> Any:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, help="an `eaglekit run` output directory with extract/, vocab/ and train/")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps for the peer (0 = as many as eaglekit's drafter had)")
-    parser.add_argument("--out", default="benchmarks/results/peer_speculators.json")
-    parser.add_argument("--peer-python", default="/tmp/specvenv/bin/python", help=f"a Python with speculators=={PEER_VERSION}")
+    parser.add_argument("--out", default="runs/benchmarks/peer_speculators.json")
+    parser.add_argument("--peer-python", default=".venv-speculators/bin/python",
+                        help=f"a Python with speculators=={PEER_VERSION} (`make speculators-env` builds the default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the peer's training, both evaluations and the bench")
     parser.add_argument("--bench", action="store_true", help="also decode the run's bench prompts with both drafters (chain, tree, T=0)")
     parser.add_argument("--work", default="", help="work directory (default RUN_DIR/peer_speculators)")

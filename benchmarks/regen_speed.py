@@ -123,12 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, a few seconds")
-    parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/regen_speed[_smoke].json)")
+    parser.add_argument("--out", default="", help="JSON path (default runs/benchmarks/regen_speed.json; "
+                        "--smoke: regen_speed_smoke.json in the temporary directory)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shape, args.records, args.batch_size, args.max_new_tokens, args.repeats = "tiny", 8, 4, 8, 2
         args.prompt_words, args.device = 12, "cpu"
-    args.out = args.out or f"benchmarks/results/regen_speed{'_smoke' if args.smoke else ''}.json"
+    args.out = args.out or (str(Path(tempfile.gettempdir()) / "regen_speed_smoke.json") if args.smoke
+                            else "runs/benchmarks/regen_speed.json")
 
     from eaglekit.manifest import atomic_write_json, environment
     from eaglekit.target.backends import HFBackend

@@ -22,7 +22,7 @@ Model FLOPs per trained token (forward; training = 3x forward, backward = 2x for
 The soft-label matmul through the TARGET lm_head (2 * H * V per token) is not drafter work; it is timed
 but reported separately (`mfu_with_labels` counts it too). Masked-out attention that the SDPA path computes
 anyway is not counted. MFU = model FLOPs / time / peak, peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet);
-`mfu_measured_peak` uses the ~790 TFLOP/s measured on the lent H200.
+`mfu_measured_peak` uses the ~790 TFLOP/s measured on an H200.
 
 Online: the same drafter step with a frozen random target in-process (hooks capture aux + final states).
 The target is 8B-shaped but has only --online-layers decoder layers (default 8 of 32) so it fits the time
@@ -36,6 +36,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -228,13 +229,15 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=0, help="skip the cases left once this many seconds have passed (0 = none)")
-    parser.add_argument("--out", default="benchmarks/results/train_speed.json")
+    parser.add_argument("--out", default="", help="JSON path (default runs/benchmarks/train_speed.json; "
+                        "--smoke: train_speed_smoke.json in the temporary directory)")
     args = parser.parse_args(argv)
     args.shape = "smoke" if args.smoke else "8b"
+    args.out = args.out or (str(Path(tempfile.gettempdir()) / "train_speed_smoke.json") if args.smoke
+                            else "runs/benchmarks/train_speed.json")
     if args.smoke:
         args.batch_size, args.seq_len, args.ttt_steps, args.repeats, args.warmup = 2, 32, 3, 2, 1
         args.modes, args.attention, args.online, args.online_layers = "eager", "sdpa", "eager:sdpa", 4
-        args.out = args.out.replace("train_speed.json", "train_speed_smoke.json")
     return args
 
 
