@@ -31,8 +31,8 @@ _warned_small: set[int] = set()
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """The aux layers a new drafter fuses (input-of-layer): the engine default (2, L//2, L-3) when its three
-    layers are distinct and in order (L >= 7), else three distinct states spread over the target (1, L//2, L-1; 3 layers: 1, 2, 3),
-    with one warning; explicit ids are the way to choose others."""
+    layers are distinct and in order (L >= 7), else three distinct states spread over the target (1, L//2, L-1;
+    3 layers: 1, 2, 3), with one warning; explicit ids are the way to choose others."""
     if num_layers < 3:
         raise EaglekitError(f"EAGLE-3 fuses three distinct hidden states: a target with {num_layers} decoder layers "
                             "has too few (it needs at least 3)")

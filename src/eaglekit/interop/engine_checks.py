@@ -44,9 +44,11 @@ def vllm_interface(index: ModuleIndex, cls: ClassInfo, protocol: ClassInfo) -> d
     protocols = tuple(e.name for e in index.mro(protocol) if isinstance(e, ClassInfo))
     methods = method_facts(index, cls, required, protocols)
     found_in_mro = in_mro(index, cls, protocol.name) is not None
-    flag = found_in_mro or any(isinstance(e, ClassInfo) and "supports_eagle3" in e.class_attributes() for e in index.mro(cls))
+    flag = found_in_mro or any(isinstance(e, ClassInfo) and "supports_eagle3" in e.class_attributes()
+                               for e in index.mro(cls))
     implements = flag and all(m["status"] != "missing" for m in methods.values())
-    return {"interface": protocol.name, "in_mro": found_in_mro, "flag": flag, "methods": methods, "implements": implements,
+    return {"interface": protocol.name, "in_mro": found_in_mro, "flag": flag, "methods": methods,
+            "implements": implements,
             "getter": next((m for m in required if m.startswith("get_eagle3")), None)}
 
 
@@ -81,7 +83,8 @@ def _inner_model(index: ModuleIndex, assignments: list, registry: dict, target: 
     return first
 
 
-def _vllm_wrapper(index: ModuleIndex, cls: ClassInfo, registry: dict, protocol: ClassInfo, target: Target) -> dict[str, Any] | None:
+def _vllm_wrapper(index: ModuleIndex, cls: ClassInfo, registry: dict, protocol: ClassInfo,
+                  target: Target) -> dict[str, Any] | None:
     assignments = index.self_assignments(cls, "language_model")
     if not assignments:
         return None
@@ -95,7 +98,8 @@ def _vllm_wrapper(index: ModuleIndex, cls: ClassInfo, registry: dict, protocol: 
     return wrapper
 
 
-def check_vllm(index: ModuleIndex, source: EngineSource, target: Target, registrations: list[dict[str, Any]]) -> dict[str, Any]:
+def check_vllm(index: ModuleIndex, source: EngineSource, target: Target,
+               registrations: list[dict[str, Any]]) -> dict[str, Any]:
     report = _report("vllm", source, target)
     registry = vllm_registry(index)
     if registry is None:
@@ -107,11 +111,13 @@ def check_vllm(index: ModuleIndex, source: EngineSource, target: Target, registr
                           "registered_by": plugin["plugin"] if plugin else "vllm"}
     cls = index.find_class(module, name)
     if cls is None:
-        return _unknown(report, f"the registry maps {target.architecture} to {module}.{name}, which is not in the source read")
+        return _unknown(report,
+                        f"the registry maps {target.architecture} to {module}.{name}, which is not in the source read")
     report["class"] = _class_entry(cls, source)
     protocol = index.find_class(VLLM_INTERFACES, "SupportsEagle3")
     if protocol is None:
-        return _unknown(report, "vllm/model_executor/models/interfaces.py has no SupportsEagle3: this vLLM predates EAGLE-3 "
+        return _unknown(report,
+                        "vllm/model_executor/models/interfaces.py has no SupportsEagle3: this vLLM predates EAGLE-3 "
                                 "or moved the interface; the doctor does not recognise the layout")
     report["interface"] = vllm_interface(index, cls, protocol)
     report["allow_list"] = vllm_allow_list(index, target)
@@ -136,13 +142,14 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
     if allow and allow["passes"] is False:
         reasons.append(f"model_type {allow['model_type']!r} is not in {allow['name']} {allow['model_types']} "
                        f"({allow['file']}:{allow['line']}): the speculative config rejects EAGLE-3 for it")
-        fix.append(f"use a vLLM release without that allow-list, or add the model type to it in {allow['file']}:{allow['line']}")
+        fix.append("use a vLLM release without that allow-list, or add the model type to it in "
+                   f"{allow['file']}:{allow['line']}")
     collects = decoder["collects_aux"] if decoder else None
     if decoder and collects is False:
         reasons.append(f"{decoder['class']}.forward ({decoder.get('forward', decoder['where'])}) does not collect aux "
                        "hidden states")
-        fix.append(f"make {decoder['class']}.forward collect the aux states and return (hidden_states, aux_hidden_states) "
-                   "as vLLM's LlamaModel does: a model change that no plugin can make")
+        fix.append(f"make {decoder['class']}.forward collect the aux states and return (hidden_states, "
+                   "aux_hidden_states) as vLLM's LlamaModel does: a model change that no plugin can make")
     if interface["implements"]:
         reasons.insert(0, f"{cls.name} implements {interface['interface']} ({methods})")
     elif wrapper:
@@ -152,11 +159,12 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
                           f"{interface['interface']}, so vLLM refuses EAGLE-3 for it "
                           + ("(inner model: unknown)" if wrapper["inner"] is None
                              else f"(inner model {'implements' if inner_ok else 'does not implement'} it)"))
-        fix.insert(0, f"in {cls.relative}, add {interface['interface']} to the bases of {cls.name} and implement {methods} "
-                      f"delegating to self.language_model")
+        fix.insert(0, f"in {cls.relative}, add {interface['interface']} to the bases of {cls.name} and implement "
+                      f"{methods} delegating to self.language_model")
         if inner_ok and collects:
             report["plugin_fix_possible"] = True
-            fix.append("or run `eaglekit doctor --engine vllm --fix` to write an out-of-tree plugin that does this delegation")
+            fix.append("or run `eaglekit doctor --engine vllm --fix` to write an out-of-tree plugin that does this "
+                       "delegation")
         if wrapper["inner"] is None:
             reasons.append(f"inner class unknown: {wrapper['inner_how']}")
     else:
@@ -186,9 +194,11 @@ def check_sglang(index: ModuleIndex, source: EngineSource, target: Target) -> di
     if not registry or target.architecture not in registry:
         registry = sglang_registry(source, index)
     if registry is None:
-        return _unknown(report, "sglang/srt/models/ has no module with an EntryClass: this SGLang layout is not recognised")
+        return _unknown(report,
+                        "sglang/srt/models/ has no module with an EntryClass: this SGLang layout is not recognised")
     module, name = lookup(registry, target.architecture, "SGLang")
-    report["registry"] = {"file": f"{module.replace('.', '/')}.py", "module": module, "class": name, "registered_by": "EntryClass"}
+    report["registry"] = {"file": f"{module.replace('.', '/')}.py", "module": module, "class": name,
+                          "registered_by": "EntryClass"}
     cls = index.find_class(module, name)
     if cls is None:
         return _unknown(report, f"EntryClass of {module} names {name}, which the doctor could not resolve")
@@ -202,12 +212,15 @@ def check_sglang(index: ModuleIndex, source: EngineSource, target: Target) -> di
         owner, value, inner, how = _inner_model(index, assignments, registry, target)
         wrapper = {"attribute": "language_model", "assigned_at": f"{owner.relative}:{value.lineno}", "inner_how": how,
                    "inner": _class_entry(inner, source) if inner else None,
-                   "inner_interface": ({"methods": method_facts(index, inner, list(SGLANG_METHODS), ())} if inner else None)}
+                   "inner_interface": ({"methods": method_facts(index, inner, list(SGLANG_METHODS), ())} if inner
+                                       else None)}
     report["wrapper"] = wrapper
     report["decoder"] = decoder_facts(index, inner or cls) if (inner or not wrapper) else None
-    layers = default_layers(index, cls, "set_eagle3_layers_to_capture", target.num_layers, attribute="layers_to_capture")
+    layers = default_layers(index, cls, "set_eagle3_layers_to_capture", target.num_layers,
+                            attribute="layers_to_capture")
     if layers is None and inner is not None:
-        layers = default_layers(index, inner, "set_eagle3_layers_to_capture", target.num_layers, attribute="layers_to_capture")
+        layers = default_layers(index, inner, "set_eagle3_layers_to_capture", target.num_layers,
+                                attribute="layers_to_capture")
     report["default_aux_layers"] = layers
     _sglang_verdict(report, cls)
     return report

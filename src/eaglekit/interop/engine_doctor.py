@@ -46,7 +46,8 @@ def diagnose(engine: str, target: str, engine_source: str = "", plugins: tuple[s
 
 
 # Where an engine's runtime (not its models) would read a drafter's explicit aux ids.
-RUNTIME_DIRS = {"vllm": ("vllm/v1", "vllm/config", "vllm/spec_decode"), "sglang": ("sglang/srt/model_executor", "sglang/srt/speculative")}
+RUNTIME_DIRS = {"vllm": ("vllm/v1", "vllm/config", "vllm/spec_decode"),
+                "sglang": ("sglang/srt/model_executor", "sglang/srt/speculative")}
 
 
 def explicit_id_readers(engine: str, source: EngineSource) -> list[str]:
@@ -74,11 +75,13 @@ def format_report(report: dict[str, Any]) -> str:
     """Human-readable report: verdict first, then the facts with the file and line they came from."""
     target = report["target"]
     lines = [f"{report['engine']} {report['engine_version']} ({report['engine_source']})",
-             f"target: {target['architecture']} (model_type {target['model_type']}, {target['num_layers']} layers; {target['source']})",
+             f"target: {target['architecture']} (model_type {target['model_type']}, {target['num_layers']} layers; "
+             f"{target['source']})",
              f"verdict: {report['verdict'].upper()}"]
     registry = report.get("registry")
     if registry:
-        lines.append(f"registry: {target['architecture']} -> {registry['module']}.{registry['class']} (registered by {registry['registered_by']})")
+        lines.append(f"registry: {target['architecture']} -> {registry['module']}.{registry['class']} (registered by "
+                     f"{registry['registered_by']})")
     if report.get("class"):
         lines.append(f"class: {report['class']['class']} at {report['class']['file']}:{report['class']['line']}")
     interface = report.get("interface")
@@ -97,12 +100,14 @@ def format_report(report: dict[str, Any]) -> str:
                      f"through: {wrapper.get('forward_passthrough')}")
     decoder = report.get("decoder")
     if decoder:
-        lines.append(f"decoder: {decoder['class']} ({decoder['where']}), collects aux states: {decoder['collects_aux']} {decoder['evidence']}")
+        lines.append(f"decoder: {decoder['class']} ({decoder['where']}), collects aux states: "
+                     f"{decoder['collects_aux']} {decoder['evidence']}")
     layers = report.get("default_aux_layers")
     if layers:
         lines.append(f"default aux layers: {layers['expression']} at {layers['where']} -> input-of-layer ids "
                      f"{layers.get('input_of_layer_ids') or '(needs the layer count: pass config.json)'}"
-                     + (f", engine explicit ids {layers['engine_explicit_ids']}" if layers.get("engine_explicit_ids") else ""))
+                     + (f", engine explicit ids {layers['engine_explicit_ids']}" if layers.get("engine_explicit_ids")
+                        else ""))
     if "explicit_aux_ids_read_by" in report:
         readers = report["explicit_aux_ids_read_by"]
         lines.append(f"drafter's explicit aux ids read by: {', '.join(readers)}" if readers else

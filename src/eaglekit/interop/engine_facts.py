@@ -41,7 +41,8 @@ def read_target(target: str) -> Target:
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
-            raise EaglekitError(f"{target} is a directory without config.json; pass the model directory or an architecture name")
+            raise EaglekitError(f"{target} is a directory without config.json; pass the model directory or an "
+                                "architecture name")
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise EaglekitError(f"{path} does not exist")
@@ -58,8 +59,9 @@ def read_target(target: str) -> Target:
                       text.get("num_hidden_layers") or data.get("num_hidden_layers"),
                       (text.get("architectures") or [None])[0], str(path))
     if not target.replace("_", "").isalnum():
-        raise EaglekitError(f"target '{target}' is neither an existing config.json/model directory nor an architecture name; "
-                            "for a hub model, download its config.json (huggingface-cli download <id> config.json) and pass that")
+        raise EaglekitError(f"target '{target}' is neither an existing config.json/model directory nor an architecture "
+                            "name; for a hub model, download its config.json (huggingface-cli download <id> "
+                            "config.json) and pass that")
     return Target(target, source="architecture name")
 
 
@@ -85,7 +87,8 @@ def vllm_registry(index: ModuleIndex) -> dict[str, tuple[str, str]] | None:
     return entries or None
 
 
-def sglang_registry(source: EngineSource, index: ModuleIndex, only: str | None = None) -> dict[str, tuple[str, str]] | None:
+def sglang_registry(source: EngineSource, index: ModuleIndex,
+                    only: str | None = None) -> dict[str, tuple[str, str]] | None:
     """class name -> (module, local name) for every class named in a module's `EntryClass`.
 
     With `only`, modules whose text does not mention that name are not parsed (a fast first pass).
@@ -101,7 +104,8 @@ def sglang_registry(source: EngineSource, index: ModuleIndex, only: str | None =
         module = f"{SGLANG_MODELS.replace('/', '.')}.{name[:-3]}"
         info = index.module(module)
         for node in info.tree.body if info else []:
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EntryClass"
+                                                    for t in node.targets):
                 items = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
                 for item in items:
                     if isinstance(item, ast.Name):
@@ -137,14 +141,16 @@ def method_facts(index: ModuleIndex, cls: ClassInfo, names: list[str], protocols
             continue
         default = index.find_method(cls, name)
         if default is not None and not is_stub(default[1]):
-            facts[name] = {"status": "protocol default", "class": default[0].name, "where": f"{default[0].relative}:{default[1].lineno}"}
+            facts[name] = {"status": "protocol default", "class": default[0].name,
+                           "where": f"{default[0].relative}:{default[1].lineno}"}
         else:
             facts[name] = {"status": "missing"}
     return facts
 
 
 def class_of_value(index: ModuleIndex, owner: ClassInfo, value: ast.expr, registry: dict | None,
-                    fallback_architecture: str | None, instance: ClassInfo | None = None) -> tuple[ClassInfo | None, str]:
+                   fallback_architecture: str | None,
+                   instance: ClassInfo | None = None) -> tuple[ClassInfo | None, str]:
     """The class a `self.x = <value>` builds: a direct constructor, a registry lookup, or a factory method.
 
     `owner` wrote the statement; `instance` is the class really instantiated (overrides are looked up on it).
@@ -156,7 +162,8 @@ def class_of_value(index: ModuleIndex, owner: ClassInfo, value: ast.expr, regist
             return direct, f"constructed directly at {owner.relative}:{value.lineno}"
         func = value.func
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-            for entry in index.mro(instance):  # `model_cls = DeepseekV2Model` class attribute, called as self.model_cls(...)
+            # a `model_cls = DeepseekV2Model` class attribute, called as self.model_cls(...)
+            for entry in index.mro(instance):
                 attribute = entry.class_attributes().get(func.attr) if isinstance(entry, ClassInfo) else None
                 if attribute is not None:
                     found = index.resolve_expr(entry.module, attribute)
@@ -166,7 +173,8 @@ def class_of_value(index: ModuleIndex, owner: ClassInfo, value: ast.expr, regist
             if factory is not None:
                 for node in ast.walk(factory[1]):
                     if isinstance(node, ast.Return) and node.value is not None:
-                        found, how = class_of_value(index, factory[0], node.value, registry, fallback_architecture, instance)
+                        found, how = class_of_value(index, factory[0], node.value, registry, fallback_architecture,
+                                                    instance)
                         if found is not None:
                             return found, f"returned by {factory[0].name}.{func.attr}: {how}"
         for names in string_lists(value):
@@ -176,7 +184,8 @@ def class_of_value(index: ModuleIndex, owner: ClassInfo, value: ast.expr, regist
     if fallback_architecture and registry and fallback_architecture in registry:
         cls = index.find_class(*registry[fallback_architecture])
         return cls, f"registry architecture {fallback_architecture!r} from the target's text_config"
-    return None, f"built at {owner.relative}:{value.lineno} by `{ast.unparse(value)[:120]}`; the class is chosen at run time"
+    return None, (f"built at {owner.relative}:{value.lineno} by `{ast.unparse(value)[:120]}`; the class is chosen "
+                  "at run time")
 
 
 def decoder_facts(index: ModuleIndex, cls: ClassInfo) -> dict[str, Any]:
@@ -189,7 +198,8 @@ def decoder_facts(index: ModuleIndex, cls: ClassInfo) -> dict[str, Any]:
             break
     forward = index.find_method(decoder, "forward")
     if forward is None:
-        return {"class": decoder.name, "where": decoder.where, "how": how, "collects_aux": None, "evidence": "no forward found"}
+        return {"class": decoder.name, "where": decoder.where, "how": how, "collects_aux": None,
+                "evidence": "no forward found"}
     hits = _forward_mentions(index, decoder, forward)
     return {"class": decoder.name, "where": decoder.where, "how": how, "collects_aux": bool(hits),
             "forward": f"{forward[0].relative}:{forward[1].lineno}", "evidence": hits}
@@ -222,7 +232,8 @@ def forward_passthrough(index: ModuleIndex, wrapper: ClassInfo) -> bool | None:
         return None
     assigned: set[str] = set()
     for node in ast.walk(found[1]):
-        if isinstance(node, ast.Assign) and "language_model" in ast.unparse(node.value) and isinstance(node.value, ast.Call):
+        if (isinstance(node, ast.Assign) and "language_model" in ast.unparse(node.value)
+                and isinstance(node.value, ast.Call)):
             assigned.update(t.id for t in node.targets if isinstance(t, ast.Name))
     for node in ast.walk(found[1]):
         if isinstance(node, ast.Return) and node.value is not None:
@@ -244,8 +255,9 @@ def default_layers(index: ModuleIndex, cls: ClassInfo, method: str, num_layers: 
     for child in ast.walk(node):
         if attribute is None and isinstance(child, ast.Return) and isinstance(child.value, (ast.Tuple, ast.List)):
             candidates.append(child.value)
-        if attribute and isinstance(child, ast.Assign) and any(
-                isinstance(t, ast.Attribute) and t.attr == attribute for t in child.targets) and isinstance(child.value, (ast.List, ast.Tuple)):
+        assigns_attribute = attribute and isinstance(child, ast.Assign) and any(
+            isinstance(t, ast.Attribute) and t.attr == attribute for t in child.targets)
+        if assigns_attribute and isinstance(child.value, (ast.List, ast.Tuple)):
             candidates.append(child.value)
     for expr in candidates:
         if any(isinstance(n, ast.Name) and n.id in ("val", "layer_ids", "layers", "i") for n in ast.walk(expr)):
