@@ -1,0 +1,340 @@
+"""What a new user hits: bad input through the CLI gives exit 1, ONE error line naming the fix, no traceback,
+and leaves every file already on disk as it was (docs/errors.md lists each case).
+
+CLI subprocesses cost a few seconds of imports each, so one per kind of problem runs as `python -m eaglekit`;
+the other cases call `eaglekit.cli.main` in-process (the same code path: parsing, the stage, the error line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from eaglekit.cli import main
+from eaglekit.errors import EaglekitError
+
+CHAT = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"}]
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_unchanged(before: dict[str, str], root: Path) -> None:
+    after = snapshot(root)
+    changed = [name for name, digest in before.items() if after.get(name) != digest]
+    assert not changed, f"files changed or removed: {changed}"
+
+
+def cli(*args: str, cwd: Path) -> tuple[int, str]:
+    """`python -m eaglekit ARGS` -> (exit code, stderr)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "eaglekit", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, proc.stderr
+
+
+def one_error(stderr: str, *fragments: str) -> str:
+    """The single 'eaglekit STAGE: error: ...' line, checked for the fragments; no traceback anywhere."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if ": error: " in line]
+    assert len(lines) == 1, stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def in_process(capsys, *args: str) -> str:
+    """`eaglekit ARGS` through cli.main in this process; asserts exit 1 and returns the error line."""
+    assert main(list(args)) == 1
+    return one_error(capsys.readouterr().err)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def save_drafter(directory: Path, target_dir: str, target_name: str) -> Path:
+    """An untrained eaglekit drafter shaped for `target_dir`, naming `target_name` as its target."""
+    from transformers import AutoConfig
+
+    from eaglekit.draft.build import drafter_config_for
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.target.capture import default_aux_layers
+
+    config = AutoConfig.from_pretrained(target_dir)
+    drafter = Eagle3Drafter(drafter_config_for(config, config.vocab_size, default_aux_layers(config.num_hidden_layers),
+                                               target_name, config.architectures[0]))
+    drafter.set_vocab_mapping(torch.arange(config.vocab_size))
+    drafter.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(chat_target, tmp_path_factory) -> Path:
+    return save_drafter(tmp_path_factory.mktemp("drafter") / "drafter", chat_target, chat_target)
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "data.jsonl", [{"id": f"r{i}", "messages": CHAT} for i in range(12)])
+
+
+# ---- 1. defaults that fail -----------------------------------------------------------------------
+
+def test_regen_caps_answers_and_advises_a_retry_only_when_one_can_succeed(chat_target, tmp_path):
+    long_prompt = " ".join(["the quick brown fox"] * 200)  # more tokens than the chat target's 512-token context
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "short", "messages": CHAT},
+                                                       {"id": "long", "messages": [{"role": "user", "content": long_prompt}]}])
+    before = snapshot(tmp_path)
+    code, stderr = cli("regen", str(prompts), f"target={chat_target}", "output=out", "max_new_tokens=1024", cwd=tmp_path)
+    assert code == 1
+    line = one_error(stderr, "1 record(s) failed", "fills the target's context", "shorten or drop")
+    assert "re-run the same command" not in line  # it would fail the same way
+    assert "1 answer(s) were cut to the context their prompt leaves" in stderr  # the short one was answered
+    assert [json.loads(x)["id"] for x in (tmp_path / "out" / "conversations.jsonl").read_text().splitlines()] == ["short"]
+    assert_unchanged(before, tmp_path)
+
+
+def test_serve_caps_a_default_max_tokens_at_the_context_left(chat_target):
+    from eaglekit.stages import serve
+    from eaglekit.target.backends import HFBackend
+
+    backend = HFBackend.load(chat_target, "cpu", "fp32")
+    prompt = backend.encode_chat([CHAT[0]])
+    backend.max_context = len(prompt) + 3
+    config = serve.Config(target=chat_target, port=0, max_tokens=64)
+    with serve.build_server(config, engine=backend) as running, httpx.Client(timeout=60) as client:
+        url = running.url + "/v1/chat/completions"
+        default = client.post(url, json={"messages": [CHAT[0]], "temperature": 0})
+        explicit = client.post(url, json={"messages": [CHAT[0]], "temperature": 0, "max_tokens": 64})
+    assert default.status_code == 200 and default.json()["usage"]["completion_tokens"] <= 3
+    assert explicit.status_code == 400 and explicit.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ---- 2. silent overwrites ------------------------------------------------------------------------
+
+def test_export_refuses_a_trained_drafters_folder(drafter_dir, tmp_path):
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "model.safetensors").write_bytes(b"trained weights")
+    (trained / "manifest.json").write_text(json.dumps({"stage": "train"}))
+    before = snapshot(tmp_path)
+    code, stderr = cli("export", str(drafter_dir), "--to", "vllm", f"output={trained}", cwd=tmp_path)
+    assert code == 1
+    one_error(stderr, "was written by `eaglekit train`", "overwrite=true")
+    assert_unchanged(before, tmp_path)
+
+
+def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_target, data, tmp_path, capsys):
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "holiday.jpg").write_bytes(b"\xff\xd8")
+    before = snapshot(tmp_path)
+    for args in (("import", str(drafter_dir), f"output={foreign}"),
+                 ("vocab", str(data), f"target={chat_target}", f"output={foreign}"),
+                 ("train", f"target={chat_target}", f"data={data}", f"output={foreign}")):
+        in_process(capsys, *args)  # noqa: B018 - asserts exit 1 and one error line
+    assert_unchanged(before, tmp_path)
+    own = tmp_path / "vocab"
+    for _ in range(2):  # the second run rewrites its own folder
+        assert main(["vocab", str(data), f"target={chat_target}", f"output={own}"]) == 0
+    assert main(["vocab", str(data), f"target={chat_target}", f"output={foreign}", "overwrite=true"]) == 0
+    assert (foreign / "holiday.jpg").is_file() and (foreign / "vocab.safetensors").is_file()
+
+
+# ---- 3. a drafter made for another target --------------------------------------------------------
+
+def test_generate_refuses_a_drafter_made_for_another_target(drafter_dir, tmp_path):
+    before = snapshot(drafter_dir)
+    code, stderr = cli("generate", "hello", "target=tiny", f"drafter={drafter_dir}", "max_new_tokens=4", cwd=tmp_path)
+    assert code == 1
+    one_error(stderr, "was made for another target", "4 layers vs 8", "hidden size 32 vs 128", "vocabulary")
+    assert_unchanged(before, drafter_dir)
+
+
+def test_a_drafter_whose_target_only_has_another_name_is_used_with_a_warning(chat_target, tmp_path, caplog):
+    from transformers import AutoConfig
+
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.draft.setup import check_drafter_target
+
+    drafter = Eagle3Drafter.from_pretrained(save_drafter(tmp_path / "d", chat_target, "org/other-model"))
+    with caplog.at_level(logging.WARNING):
+        check_drafter_target(drafter.config, AutoConfig.from_pretrained(chat_target), "d", chat_target)
+    assert "was trained for org/other-model" in caplog.text
+    caplog.clear()
+    check_drafter_target(drafter.config, AutoConfig.from_pretrained(chat_target), "d", "/models/other-model")
+    assert not caplog.text  # the same model under another path: no warning
+
+
+# ---- 4. a mistyped local path --------------------------------------------------------------------
+
+def test_a_mistyped_local_target_is_one_immediate_error(data, tmp_path, capsys, monkeypatch):
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    before = snapshot(tmp_path)
+    code, stderr = cli("train", "target=models/lama", f"data={data}", "output=out", cwd=tmp_path)
+    assert code == 1
+    one_error(stderr, "target models/lama does not exist", "did you mean models/llama?")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = in_process(capsys, "vocab", str(data), "target=some-org/not-downloaded", f"output={tmp_path / 'v'}")
+    assert "not in the Hugging Face cache" in line and "unset HF_HUB_OFFLINE" in line
+    assert_unchanged(before, tmp_path)
+
+
+# ---- 5. filesystem errors ------------------------------------------------------------------------
+
+def test_an_output_path_that_is_a_file(chat_target, drafter_dir, data, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    before = snapshot(tmp_path)
+    code, stderr = cli("vocab", str(data), f"target={chat_target}", f"output={taken}", cwd=tmp_path)
+    assert code == 1
+    one_error(stderr, f"output {taken} is a file", "directory")
+    for args in (("export", str(drafter_dir), f"output={taken}"),
+                 ("regen", str(data), f"target={chat_target}", f"output={taken}"),
+                 ("extract", str(data), f"target={chat_target}", f"output={taken}"),
+                 ("train", f"target={chat_target}", f"data={data}", f"output={taken}"),
+                 ("generate", "hi", f"target={chat_target}", "method=plain", f"output={tmp_path}")):
+        assert "output" in in_process(capsys, *args)
+    assert_unchanged(before, tmp_path)
+
+
+def test_a_damaged_safetensors_header(drafter_dir, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((drafter_dir / "config.json").read_bytes())
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}xxxxxx")
+    before = snapshot(tmp_path)
+    line = in_process(capsys, "export", str(broken), f"output={tmp_path / 'out'}")
+    assert "model.safetensors is damaged" in line and "re-run the stage that wrote it" in line
+    assert_unchanged(before, tmp_path)
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_in_train_leaves_no_partial_checkpoint(chat_target, data, tmp_path, monkeypatch):
+    from eaglekit.config import load_config
+    from eaglekit.draft import checkpoint
+    from eaglekit.stages import train
+
+    monkeypatch.setattr(checkpoint.torch, "save", _disk_full)
+    config = load_config(train.Config, overrides={"target": chat_target, "data": [str(data)], "output": str(tmp_path / "t"),
+                                                  "max_steps": 1, "save_every": 1, "batch_size": 2, "ttt_steps": 1,
+                                                  "draft_vocab_size": 64, "max_length": 64})
+    with pytest.raises(EaglekitError, match="disk full while writing the training checkpoints"):
+        train.run(config)
+    assert not list((tmp_path / "t" / "checkpoints").glob(".tmp-step-*"))
+
+
+def test_a_full_disk_in_regen_keeps_finished_records(chat_target, tmp_path, monkeypatch):
+    from eaglekit.config import load_config
+    from eaglekit.stages import regen
+    from eaglekit.target import regen as library
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "messages": CHAT} for i in range(2)])
+    config = load_config(regen.Config, overrides={"data": [str(prompts)], "target": chat_target, "max_new_tokens": 2,
+                                                  "output": str(tmp_path / "r"), "limit": 1})
+    regen.run(config)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(library.JsonlAppender, "write", _disk_full)
+    with pytest.raises(EaglekitError, match="disk full while writing the regenerated records.*re-run the same command"):
+        regen.run(dataclasses.replace(config, limit=2))
+    assert_unchanged({k: v for k, v in before.items() if k.endswith("conversations.jsonl")}, tmp_path)
+
+
+# ---- 6 and 8. training progress, max_steps over epochs, one name for aux layers ----------------------
+
+def test_train_logs_progress_and_max_steps_wins_over_epochs(chat_target, data, tmp_path, capsys):
+    code, stderr = cli("train", f"target={chat_target}", f"data={data}", "output=t", "max_steps=7", "epochs=1",
+                       "batch_size=4", "val_fraction=0.2", "log_every=2", "ttt_steps=1", "draft_vocab_size=64",
+                       "max_length=64", cwd=tmp_path)
+    assert code == 0, stderr
+    assert "max_steps=7 decides (epochs=1 is ignored)" in stderr
+    assert "step 2/7 (epoch 1)" in stderr and "acc@1" in stderr and "tokens/s, ETA" in stderr
+    assert json.loads((tmp_path / "t" / "manifest.json").read_text())["steps"] == 7
+    line = in_process(capsys, "train", f"target={chat_target}", f"data={data}", "output=x", "aux_layers=1,2,3")
+    assert "'aux_layers' is now called 'aux_layer_ids'" in line
+
+
+def test_train_without_assistant_tokens(chat_target, tmp_path, capsys):
+    questions = write_jsonl(tmp_path / "q.jsonl", [{"id": f"q{i}", "messages": CHAT[:1]} for i in range(4)])
+    line = in_process(capsys, "train", f"target={chat_target}", f"data={questions}", f"output={tmp_path / 't'}")
+    assert "no assistant tokens in DATA" in line and "eaglekit inspect" in line
+
+
+def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path, data, caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import build_chat_target
+    from eaglekit.config import load_config
+    from eaglekit.stages import extract
+    from eaglekit.target.capture import default_aux_layers
+
+    with caplog.at_level(logging.WARNING):
+        assert default_aux_layers(5) == (1, 2, 4)
+    assert "repeat a layer" in caplog.text
+    target = Path(build_chat_target(tmp_path / "three"))
+    config = json.loads((target / "config.json").read_text())
+    LlamaForCausalLM(LlamaConfig(**{**config, "num_hidden_layers": 3})).save_pretrained(target)
+    result = extract.run(load_config(extract.Config, overrides={"data": [str(data)], "target": str(target), "limit": 2,
+                                                                "output": str(tmp_path / "x"), "aux_layer_ids": [0, 2, 3]}))
+    assert json.loads((result.output / "manifest.json").read_text())["aux_layer_ids"] == [0, 2, 3]
+
+
+def test_regen_and_serve_take_a_chat_template(chat_target, tmp_path):
+    from eaglekit.target.backends import HFBackend
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    backend = HFBackend.load(chat_target, "cpu", "fp32", chat_template=template)
+    assert backend.decode(backend.encode_chat([CHAT[0]])).startswith("[user] what is two plus two")
+
+
+def test_serve_passes_the_drafters_tree_and_chain_shape(chat_target, drafter_dir):
+    from eaglekit.stages import serve
+
+    tree = serve.build_engine(serve.Config(target=chat_target, drafter=str(drafter_dir), depth=3, total_tokens=10, tree_top_k=2))
+    chain = serve.build_engine(serve.Config(target=chat_target, drafter=str(drafter_dir), method="chain", chain_length=2))
+    assert tree.options == {"depth": 3, "total_tokens": 10, "tree_top_k": 2} and chain.options == {"chain_length": 2}
+    assert tree.max_context < 512  # the context keeps room for one step's drafts
+
+
+# ---- 7. the report explains its numbers -------------------------------------------------------------
+
+def test_report_explains_its_numbers_and_flags_a_drafter_that_learned_nothing(tmp_path):
+    from eaglekit.report import write_report
+
+    out = tmp_path / "run"
+    (out / "train").mkdir(parents=True)
+    (out / "bench").mkdir()
+    drafter = {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 32, "draft_vocab_size": 2048, "target_hidden_size": 128}
+    val = {"loss": 11.86, "loss_k": [4.86, 4.50, 4.20], "acc_k": [0.0, 0.0, 0.0], "tau": 1.0, "step": 9}
+    (out / "run.json").write_text(json.dumps({"config": {"target": "tiny"}, "steps": []}))
+    (out / "train" / "manifest.json").write_text(json.dumps({"stage": "train", "val": val, "drafter_config": drafter,
+                                                             "config": {"step_decay": 0.8}}))
+    rows = [{"method": "plain", "temperature": 0.0, "tokens_per_second": 100.0},
+            {"method": "tree", "temperature": 0.0, "tokens_per_second": 84.0, "tau": 1.14, "acceptance_per_position": [0.1]}]
+    (out / "bench" / "bench.json").write_text(json.dumps({"rows": rows, "config": {"device": "cpu", "depth": 3}}))
+    (out / "bench" / "manifest.json").write_text(json.dumps({"stage": "bench"}))
+    text = write_report(out).path.read_text()
+    assert "tau = tokens produced per target forward" in text
+    assert "0.84x is no verdict on the drafter" in text and "1 + 3 x 26% = 1.8 target steps" in text
+    assert "sum over the 3 draft positions of 0.8^k" in text
+    assert "this drafter learned (next to) nothing" in text and "validation accuracy at draft position 1 is 0.000" in text
