@@ -11,6 +11,16 @@ from eaglekit.decode.engine import METHODS, DecodeOptions, DecodeStats, Generate
 from eaglekit.errors import EaglekitError
 
 BACKENDS = ("eager", "static")
+STATIC_DRAFTER_ARCHS = ("llama",)  # midlayers `static._StaticDraftNet` implements
+
+
+def static_drafter_supported(drafter: torch.nn.Module) -> bool:
+    """True when the static drafter step covers `drafter`: an `Eagle3Drafter` with a Llama-style midlayer. Any
+    other drafter (another midlayer, or an object that only keeps the drafter contract) runs the eager
+    reference drafter, also under backend=static."""
+    from eaglekit.draft.model import Eagle3Drafter
+
+    return isinstance(drafter, Eagle3Drafter) and drafter.config.drafter_arch in STATIC_DRAFTER_ARCHS
 
 
 def drafter_aux_layers(drafter: torch.nn.Module) -> tuple[int, ...]:
@@ -33,6 +43,9 @@ class Decoder:
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self._targets: dict = {}
         self._drafters: dict = {}
+        self._fused: dict = {}
+        # static target + static drafter: each speculative step runs fused (fused.py); else the reference loop
+        self.static_drafter = backend == "static" and drafter is not None and static_drafter_supported(drafter)
 
     def _target_backend(self, aux_layers):
         if self.backend == "eager":
@@ -50,7 +63,7 @@ class Decoder:
     def _drafter_backend(self, opts: DecodeOptions):
         from eaglekit.decode.backends import EagerDrafter
 
-        if self.backend == "eager" or not hasattr(self.drafter, "midlayer"):  # stand-ins (tests) use the reference
+        if not self.static_drafter:
             return EagerDrafter(self.drafter)
         from eaglekit.decode.static import StaticDrafter
 
@@ -60,6 +73,18 @@ class Decoder:
         backend = self._drafters[slots]
         backend.reset()
         return backend
+
+    def _fused_step(self, target_backend, drafter_backend, opts: DecodeOptions, vocab_size: int):
+        """The one-function speculative step (`fused.FusedStep`) when target and drafter both run static, else
+        None (the step-by-step loop of `engine.decode_loop`). One step object per target, options shape, vocab."""
+        if not self.static_drafter:
+            return None
+        from eaglekit.decode.fused import FusedStep, fused_shape
+
+        key = (id(target_backend), id(drafter_backend), fused_shape(opts), vocab_size)
+        if key not in self._fused:
+            self._fused[key] = FusedStep(target_backend, drafter_backend, opts, vocab_size)
+        return self._fused[key]
 
     def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, method: str = "tree",
                  on_tokens=None, **options) -> GenerateResult:
@@ -83,9 +108,10 @@ class Decoder:
         aux_layers = None if method == "plain" else drafter_aux_layers(self.drafter)
         target_backend = self._target_backend(aux_layers)
         drafter_backend = None if method == "plain" else self._drafter_backend(opts)
+        fused = None if method == "plain" else self._fused_step(target_backend, drafter_backend, opts, self.vocab_size)
         with torch.inference_mode():
             return decode_loop(target_backend, drafter_backend, self.drafter, prompt_ids, max_new_tokens, opts,
-                               self.vocab_size, on_tokens)
+                               self.vocab_size, on_tokens, fused)
 
 
 def generate(
@@ -106,9 +132,11 @@ def generate(
     dense targets (preallocated KV caches; `compile=True` adds torch.compile + CUDA graphs).
     """
     n = prompt_ids.numel() if isinstance(prompt_ids, torch.Tensor) else len(prompt_ids)
-    width = 2 + max(options.get("chain_length", 4), options.get("total_tokens", 48))
+    defaults = DecodeOptions()
+    width = 2 + max(options.get("chain_length", defaults.chain_length), options.get("total_tokens", defaults.total_tokens))
     decoder = Decoder(target, drafter, backend, compile, max_length or n + max_new_tokens + width)
     return decoder.generate(prompt_ids, max_new_tokens, method, **options)
 
 
-__all__ = ["Decoder", "generate", "DecodeOptions", "DecodeStats", "GenerateResult", "METHODS", "BACKENDS", "drafter_aux_layers"]
+__all__ = ["Decoder", "generate", "DecodeOptions", "DecodeStats", "GenerateResult", "METHODS", "BACKENDS",
+           "drafter_aux_layers", "static_drafter_supported"]

@@ -202,8 +202,9 @@ class _Output:
 
 
 def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int], max_new_tokens: int,
-                options: DecodeOptions, vocab_size: int, on_tokens=None) -> GenerateResult:
-    """Run plain or speculative decoding on prepared backends (see module docstring)."""
+                options: DecodeOptions, vocab_size: int, on_tokens=None, fused=None) -> GenerateResult:
+    """Run plain or speculative decoding on prepared backends (see module docstring). `fused`: a
+    `fused.FusedStep` over these backends, which then runs every speculative step after the prefill."""
     device = target_backend.device
     generator = torch.Generator(device=device).manual_seed(options.seed)
     stats = DecodeStats(max_drafts=0 if options.method == "plain" else options.draft_depth)
@@ -233,8 +234,6 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     elif not done:
         hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
                                                       torch.arange(n, device=device))
-        fused = getattr(drafter_backend, "fused_step", None)
-        fused = fused(target_backend, options, vocab_size) if fused is not None else None
         if fused is not None:  # static fast path: the whole step on the device, one step ahead (fused.py)
             fused.run(hidden[-1], draft_logits[-1], token, m, out, stats, generator)
             done = True

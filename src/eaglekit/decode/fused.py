@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from eaglekit.decode import graphs
 from eaglekit.decode.engine import DecodeOptions, DecodeStats, draft_size, grow_tree
 from eaglekit.decode.sampling import PreDrawn, logits_to_probs, rand
 from eaglekit.decode.verify import greedy_path, rejection_tree_tokens, sampled_chain_path
@@ -65,11 +66,10 @@ def fused_shape(options: DecodeOptions) -> DecodeOptions:
 
 
 class FusedStep:
-    """Chains and trees, greedy or sampled, over a `StaticTarget` and a `StaticDrafter` (module docstring)."""
+    """Chains and trees, greedy or sampled, over a `static.StaticTarget` and a `static.StaticDrafter` (module
+    docstring). `Decoder` builds one per target backend and options shape (`fused_shape`)."""
 
     def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int):
-        from eaglekit.decode.static import _compiled, _static_buffers
-
         self.target, self.drafter = target, drafter
         net = drafter.net.drafter
         param = net.fc.weight
@@ -78,9 +78,9 @@ class FusedStep:
         self.path = min(options.draft_depth, self.nodes - 1) + 1  # longest accepted path, bonus included
         self.capacity = min(target.capacity, drafter.capacity)
         self.options = fused_shape(options)
-        self.step = _compiled(functools.partial(self._step, options=self.options, vocab_size=vocab_size), target.compile)
+        self.step = graphs.compiled(functools.partial(self._step, options=self.options, vocab_size=vocab_size), target.compile)
         if target.compile:
-            _static_buffers(self.state)
+            graphs.static_buffers(self.state)
         self._host = [torch.zeros(self.path + 1, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
         self._draw_shapes = self.draw_shapes(self.options, self.nodes, net.config.draft_vocab_size)
 
@@ -102,12 +102,10 @@ class FusedStep:
     def _step(self, *draws: torch.Tensor, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
         """One step on the state -> (1 + path,): the path length c, then the step's new tokens (the c - 1
         accepted drafts and the bonus) padded to the longest path. `draws`: the step's uniforms (sampling)."""
-        from eaglekit.decode.static import _GraphSteps
-
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
         source = PreDrawn(draws)
-        tree, ancestors = grow_tree(_GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits, state.token,
+        tree, ancestors = grow_tree(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits, state.token,
                                     m, options, vocab_size, source)
         n = tree.tokens.shape[0]
         offsets = torch.arange(n, device=m.device)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from eaglekit.decode import Decoder
-from eaglekit.decode.engine import DecodeStats
+from eaglekit.decode.engine import DecodeOptions, DecodeStats
 from eaglekit.target.backends import EngineOutput, HFBackend
 
 
@@ -27,7 +27,7 @@ class SpeculativeEngine:
         self.method, self.options = method, options
         # the static cache spans the whole buffer every step: cap it rather than allocate e.g. 128k slots
         self.decoder = Decoder(base.model, drafter, backend, compile, max_length=min(base.max_context or 4096, 8192))
-        self.total = DecodeStats(max_drafts=options.get("chain_length", 4) if method == "chain" else options.get("depth", 6))
+        self.total = DecodeStats(max_drafts=DecodeOptions(method=method, **options).draft_depth)
         self.requests = 0
         self._lock = threading.Lock()
 

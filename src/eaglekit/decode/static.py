@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from eaglekit.decode import graphs
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import find_decoder, text_config
 
@@ -163,43 +164,9 @@ class StaticLlama(nn.Module):
         return logits, aux
 
 
-# how fixed-shape steps are compiled (tests swap in backend="aot_eager" to trace the same graphs on a CPU)
-COMPILE_OPTIONS = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
-# how the prefills are compiled: one inductor graph for every prompt length (the token dimension is
-# symbolic), replayed as a CUDA graph recorded once per padded length (`PREFILL_BUCKET`)
-PREFILL_OPTIONS = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": None}
 # compiled prefills run padded up to a multiple of this many tokens (the padding rows are causal extra
 # tokens whose outputs are dropped), so a CUDA graph serves every prompt length of its bucket
 PREFILL_BUCKET = 64
-
-
-def _compiled(fn, enabled: bool):
-    return torch.compile(fn, **COMPILE_OPTIONS) if enabled else fn
-
-
-def _prefill_compiled(fn, enabled: bool):
-    """`fn(*tensors)` compiled once for any length of the tensors' token dimension (dim 0; a (1, 1, T, S)
-    mask: dim 2), outputs cloned as `_call` does; a length seen for the first time runs twice (CUDA graph
-    trees warm up, then record: the recording is not left to a timed call). One-token calls and
-    `enabled=False` run `fn` as it is."""
-    if not enabled:
-        return fn
-    compiled = torch.compile(fn, **PREFILL_OPTIONS)
-    seen: set[int] = set()
-
-    def call(*tensors: torch.Tensor):
-        length = tensors[0].shape[0]
-        if length < 2:  # a length of 1 would be specialised: a second graph for a rare case
-            return fn(*tensors)
-        for x in tensors:  # the token dimension of each input that has one (a (1, 1, T, S) mask: dim 2)
-            if x.dim() == 4 or x.shape[0] == length:
-                torch._dynamo.maybe_mark_dynamic(x, 2 if x.dim() == 4 else 0)
-        for _ in range(1 if length in seen else 2):  # idempotent: the same K/V written to the same slots
-            out = _call(compiled, True, *tensors)
-        seen.add(length)
-        return out
-
-    return call
 
 
 def _bucket(length: int, limit: int, compiled: bool = True) -> int:
@@ -221,20 +188,6 @@ def _pad_positions(positions: torch.Tensor, rows: int, limit: int) -> torch.Tens
     return torch.cat([positions, extra.clamp_max(limit - 1)])
 
 
-def _static_buffers(module: nn.Module) -> None:
-    """Mark a module's cache buffers as fixed addresses, so CUDA graphs write them in place (no copies)."""
-    for buffer in module.buffers():
-        torch._dynamo.mark_static_address(buffer)
-
-
-def _call(fn, compiled: bool, *args):
-    """Run a (possibly CUDA-graphed) step; outputs are cloned so the next replay cannot overwrite them."""
-    if not compiled:
-        return fn(*args)
-    torch.compiler.cudagraph_mark_step_begin()
-    return tuple(None if o is None else o.clone() for o in fn(*args))
-
-
 def _compact(buffer: torch.Tensor, dim: int, base: int, nodes: torch.Tensor) -> None:
     """Move slots base + nodes (K,) to base, base+1, ... along `dim` of a KV buffer, in place."""
     src = base + nodes
@@ -250,11 +203,11 @@ class StaticTarget:
         self.device = self.net.cos.device
         self.capacity, self.length, self.last_length = capacity, 0, 0
         self.compile = compile
-        self.step = _compiled(self.net, compile)
-        self.prefill = _prefill_compiled(self.net.prefill, compile)
+        self.step = graphs.compiled(self.net, compile)
+        self.prefill = graphs.prefill_compiled(self.net.prefill, compile)
         self._columns = torch.arange(capacity, device=self.device)
         if compile:
-            _static_buffers(self.net)
+            graphs.static_buffers(self.net)
 
     def reset(self) -> None:
         """Forget the cached sequence (the buffers are reused; stale slots are masked out)."""
@@ -273,7 +226,7 @@ class StaticTarget:
             full = (self._columns < self.length).expand(t, -1).clone()  # the cached prefix, then the new tokens' mask
             full[:, self.length : self.length + t] = mask
             slots = torch.arange(self.length, self.length + t, device=self.device)
-            logits, aux = _call(self.step if self.compile else self.net, self.compile, ids, positions, slots, full[None, None])
+            logits, aux = graphs.call_step(self.step if self.compile else self.net, self.compile, ids, positions, slots, full[None, None])
         self.length += t
         self.last_length = t
         return (logits[-1:] if last_only else logits), aux
@@ -352,7 +305,7 @@ class _StaticDraftNet(nn.Module):
 
 class StaticDrafter:
     """Drafter backend over `_StaticDraftNet` (the prefill extend of `backends.EagerDrafter`'s methods; the
-    speculative steps run in `fused.FusedStep`, which calls the step module through `_GraphSteps`).
+    speculative steps run in `fused.FusedStep`, which calls the step module through `graphs.GraphSteps`).
 
     Slots [0, capacity) hold target-feature positions; [capacity, capacity + draft_slots) this step's drafts.
     """
@@ -363,11 +316,10 @@ class StaticDrafter:
         self.capacity, self.total = capacity, capacity + draft_slots
         self.stable_length = 0
         self._columns = torch.arange(self.total, device=self.device)  # (capacity + draft_slots,)
-        self._fused: dict = {}  # one-function steps (fused.py), by target and options shape
         self.compile = compile
-        self._prefill = _prefill_compiled(self._first_extend, compile)
+        self._prefill = graphs.prefill_compiled(self._first_extend, compile)
         if compile:
-            _static_buffers(self.net)
+            graphs.static_buffers(self.net)
 
     def reset(self) -> None:
         self.stable_length = 0
@@ -403,27 +355,3 @@ class StaticDrafter:
         mask[:, self.capacity : self.capacity + used + k] = visible
         slots = self.capacity + used + torch.arange(k, device=self.device)
         return slots, mask[None, None]
-
-    def fused_step(self, target, options, vocab_size: int):
-        """The one-function step over `target` (a `StaticTarget`) and this drafter (`fused.FusedStep`); None
-        for another target backend."""
-        from eaglekit.decode.fused import FusedStep, fused_shape
-
-        if not isinstance(target, StaticTarget):
-            return None
-        key = (id(target), fused_shape(options), vocab_size)
-        if key not in self._fused:
-            self._fused[key] = FusedStep(target, self, options, vocab_size)
-        return self._fused[key]
-
-
-class _GraphSteps:
-    """The drafter backend `engine.draft` sees inside the fused step: plain calls of the step module (the
-    graph is captured once around the whole step), the stable length as a tensor."""
-
-    def __init__(self, owner: StaticDrafter, stable: torch.Tensor):
-        self.owner, self.stable = owner, stable
-
-    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
-        slots, mask = self.owner.step_inputs(ids, visible, self.stable)
-        return self.owner.net(hidden, ids, positions, slots, mask)
