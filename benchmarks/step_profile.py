@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_speed import SHAPE_REFERENCE, SHAPE_SMOKE, build_model, random_drafter  # noqa: E402
-from eaglekit.decode import Decoder, static  # noqa: E402
+from eaglekit.decode import Decoder  # noqa: E402
+from eaglekit.decode import graphs as compile_settings  # noqa: E402
 from eaglekit.decode.fused import FusedStep  # noqa: E402
 from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
 
@@ -97,12 +98,12 @@ def measure(model, drafter, prompt: list[int], new_tokens: int, methods: list[st
             cuda: bool) -> dict:
     capacity = len(prompt) + new_tokens + 64
     results = {}
-    original = static.COMPILE_OPTIONS
+    original = compile_settings.COMPILE_OPTIONS
     for graphs in (True, False) if cuda else (False,):
         options = dict(original)
         if not graphs:
             options.pop("mode", None)  # inductor kernels launched one by one (profilable)
-        static.COMPILE_OPTIONS = options
+        compile_settings.COMPILE_OPTIONS = options
         decoder = Decoder(model, drafter, backend="static", compile=cuda, max_length=capacity)
         for method in methods:
             def run():
@@ -122,7 +123,7 @@ def measure(model, drafter, prompt: list[int], new_tokens: int, methods: list[st
                            host_wait_ms=statistics.median(t[2] for t in timings))
             if not graphs or not cuda:
                 row.update(_kernel_profile(run, method, top))
-    static.COMPILE_OPTIONS = original
+    compile_settings.COMPILE_OPTIONS = original
     return results
 
 
