@@ -97,9 +97,20 @@ def data(tmp_path) -> Path:
 # ---- 1. defaults that fail -----------------------------------------------------------------------
 
 def test_regen_caps_answers_and_advises_a_retry_only_when_one_can_succeed(chat_target, tmp_path):
-    long_prompt = " ".join(["the quick brown fox"] * 200)  # more tokens than the chat target's 512-token context
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "short", "messages": CHAT},
-                                                       {"id": "long", "messages": [{"role": "user", "content": long_prompt}]}])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_target)
+
+    def prompt_tokens(text: str) -> int:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    words = ["the quick brown fox"]
+    while prompt_tokens(" ".join(words)) < 500:  # leaves the answer a few of the 512-token context's positions
+        words.append("the quick brown fox")
+    fits, too_long = " ".join(words), " ".join(words * 2)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "short", "messages": [{"role": "user", "content": fits}]},
+                                                       {"id": "long", "messages": [{"role": "user", "content": too_long}]}])
     before = snapshot(tmp_path)
     code, stderr = cli("regen", str(prompts), f"target={chat_target}", "output=out", "max_new_tokens=1024", cwd=tmp_path)
     assert code == 1
