@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eaglekit.config import option, save_resolved, to_dict
+from eaglekit.decode.engine import DecodeOptions
 from eaglekit.errors import EaglekitError
 
 if TYPE_CHECKING:
@@ -54,10 +55,10 @@ class Config:
     warmup: int = option(1, "HF methods: prompts run once untimed before timing; eaglekit's methods warm up on all (0 = no warm-up)")
     assistant: str = option("", "small draft model (same tokenizer) for HF assisted generation")
     prompt_lookup_num_tokens: int = option(10, "HF prompt lookup: tokens proposed per step")
-    depth: int = option(6, "tree: draft levels")
-    tree_top_k: int = option(8, "tree: children per node and nodes expanded per level")
-    total_tokens: int = option(48, "tree: draft nodes verified per target forward")
-    chain_length: int = option(4, "chain: draft tokens per target forward")
+    depth: int = option(DecodeOptions.depth, "tree: draft levels")
+    tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level")
+    total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward")
+    chain_length: int = option(DecodeOptions.chain_length, "chain: draft tokens per target forward")
     backend: str = option("auto", "eaglekit backend: auto, eager or static", choices=("auto", "eager", "static"))
     compile: bool = option(True, "torch.compile + CUDA graphs for eaglekit's fixed-shape static-backend steps (GPU only; ignored on CPU)")
     seed: int = option(0, "sampling seed")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglekit.config import option, to_dict
+from eaglekit.decode.engine import DecodeOptions
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,10 @@ class Config:
     temperature: float = option(0.0, "0 = greedy; > 0 samples with the speculative-sampling rule (output follows the target)")
     top_p: float = option(1.0, "nucleus sampling threshold (1 = off)")
     top_k: int = option(0, "sample from the k most likely tokens (0 = off)")
-    depth: int = option(6, "tree: draft levels")
-    tree_top_k: int = option(8, "tree: children per node and nodes expanded per level")
-    total_tokens: int = option(48, "tree: draft nodes verified per target forward")
-    chain_length: int = option(4, "chain: draft tokens per target forward")
+    depth: int = option(DecodeOptions.depth, "tree: draft levels")
+    tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level")
+    total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward")
+    chain_length: int = option(DecodeOptions.chain_length, "chain: draft tokens per target forward")
     backend: str = option("auto", "auto = static fast path for Llama-family dense targets, else eager", choices=("auto", "eager", "static"))
     compile: bool = option(False, "torch.compile + CUDA graphs for the static backend's fixed-shape steps (GPU only; pays off on long outputs)")
     seed: int = option(0, "sampling seed")

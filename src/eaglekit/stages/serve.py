@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglekit.config import option
+from eaglekit.decode.engine import DecodeOptions
 from eaglekit.errors import EaglekitError
 from eaglekit.target.backends import HFBackend
 from eaglekit.target.server import ChatServer, GenerationEngine
@@ -43,10 +44,10 @@ class Config:
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
     drafter: str = option("", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics")
     method: str = option("tree", "with drafter: speculative decoding method", choices=("tree", "chain"))
-    chain_length: int = option(4, "with drafter, method=chain: draft tokens per target forward")
-    depth: int = option(6, "with drafter, method=tree: draft levels")
-    total_tokens: int = option(48, "with drafter, method=tree: draft nodes verified per target forward")
-    tree_top_k: int = option(8, "with drafter, method=tree: children per node and nodes expanded per level")
+    chain_length: int = option(DecodeOptions.chain_length, "with drafter, method=chain: draft tokens per target forward")
+    depth: int = option(DecodeOptions.depth, "with drafter, method=tree: draft levels")
+    total_tokens: int = option(DecodeOptions.total_tokens, "with drafter, method=tree: draft nodes verified per target forward")
+    tree_top_k: int = option(DecodeOptions.tree_top_k, "with drafter, method=tree: children per node and nodes expanded per level")
 
 
 def build_engine(config: Config) -> GenerationEngine:
