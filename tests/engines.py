@@ -40,3 +40,106 @@ def speculators_python() -> str:
         pytest.skip("speculators' venv is not built: run `make speculators-env` (or set EAGLEKIT_SPECULATORS_PYTHON); "
                     "`make test` builds it")
     return python
+
+
+PROMPTS = ROOT / "src" / "eaglekit" / "assets" / "tiny_prompts.jsonl"
+EVAL_PROMPTS = ROOT / "src" / "eaglekit" / "assets" / "tiny_prompts_eval.jsonl"
+
+
+def own_answers(target: str, output: Path, records: int = 48, new_tokens: int = 48) -> str:
+    """The target's own greedy answers to the first `records` shipped prompts (`eaglekit regen`, hf backend)."""
+    from eaglekit.config import load_config
+    from eaglekit.stages import regen
+
+    config = load_config(regen.Config, None, [f"data={PROMPTS}", f"output={output}", f"target={target}", "turns=first",
+                                              f"max_new_tokens={new_tokens}", f"limit={records}", "batch_size=16",
+                                              "device=cpu", "temperature=0"])
+    regen.run(config)
+    return str(output / regen.OUTPUT_FILE)
+
+
+def train_drafter(target: str, output: Path, steps: int = 40, lr: float = 1e-3, data: str = "",
+                  draft_vocab_size: int = 1024) -> str:
+    """A drafter trained online for `steps` optimizer steps on the target's hidden states over `data`
+    (default: the shipped prompts)."""
+    from eaglekit.draft.train import train
+    from eaglekit.train_config import TrainConfig
+
+    config = TrainConfig(target=target, data=(data or str(PROMPTS),), output=str(output), draft_vocab_size=draft_vocab_size,
+                         ttt_steps=3, max_steps=steps, batch_size=4, max_length=192, lr=lr, warmup_steps=2,
+                         val_fraction=0.0, log_every=1000, save_every=100000, device="cpu", dtype="fp32")
+    train(config)
+    return str(output)
+
+
+TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def _with_tiny_tokenizer(directory: Path) -> None:
+    import shutil
+
+    from eaglekit.target.loading import tiny_target_path
+
+    for name in TINY_TOKENIZER_FILES:
+        if (tiny_target_path() / name).is_file():
+            shutil.copy(tiny_target_path() / name, directory / name)
+
+
+def random_target(kind: str, directory: Path, seed: int = 0) -> str:
+    """A small random target vLLM's CPU build runs: qwen3 | deepseek_v3 (MLA + MoE), with the tiny target's tokenizer.
+
+    vLLM's CPU attention takes head_dim 32 (16 fails: "Unsupported CPU attention configuration"), for the drafter too
+    (hidden 128 / 4 heads). DeepSeek-V3: its CPU MLA kernel takes kv_lora_rank 512 + qk_rope_head_dim 64 (32 + 16
+    fails there), and `topk_method: noaux_tc` must be in config.json for the router's e_score_correction_bias.
+    """
+    import json
+
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    if kind == "qwen3":
+        config = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=32)
+    elif kind == "deepseek_v3":
+        config = tf.DeepseekV3Config(**common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+                                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                     topk_group=1, kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64,
+                                     qk_nope_head_dim=32, v_head_dim=32)
+    else:
+        raise ValueError(kind)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # large embeddings and a sharp lm_head over small layers: the next token depends mostly
+        model.get_input_embeddings().weight.normal_(0, 1.0)  # on the current one (a learnable, mostly-bigram target);
+        model.get_output_embeddings().weight.normal_(0, 1.0)  # the layers keep the default init and add context
+    model.save_pretrained(directory)
+    if kind == "deepseek_v3":
+        path = directory / "config.json"
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}, indent=2))
+    _with_tiny_tokenizer(directory)
+    return str(directory)
+
+
+def kimi_vl_wrapper(language_model: Path, directory: Path) -> str:
+    """A KimiVLForConditionalGeneration checkpoint (vLLM's Moonshot wrapper) holding `language_model` (a DeepSeek-V3
+    checkpoint) by composition: text_config = its config, weights under `language_model.`, a tiny MoonViT config.
+    The vision tower gets no weights: the tests run text prompts with images off (limit_mm_per_prompt image 0)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    text = json.loads((language_model / "config.json").read_text())
+    vision = {"patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "num_attention_heads": 2,
+              "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2]}
+    config = {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl", "text_config": text,
+              "vision_config": vision, "media_placeholder_token_id": 4095, "pad_token_id": 0, "bos_token_id": 0,
+              "eos_token_id": 2, "torch_dtype": "float32", "tie_word_embeddings": False}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    state = load_file(str(language_model / "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    _with_tiny_tokenizer(directory)
+    return str(directory)

@@ -63,7 +63,24 @@ def test_wrong_vllm_version_names_the_tested_one(tmp_path):
     with pytest.raises(EaglekitError, match="vLLM 0.11.0.*tested with vLLM 0.32.0.*vllm_version_check=false"):
         ve.find_engine(other)
     assert ve.find_engine(other, check_version=False).version == "0.11.0"
-    assert ve.find_engine(fake_python(tmp_path, "echo 0.32.0+cpu")).version == "0.32.0+cpu"
+    engine = ve.find_engine(fake_python(tmp_path, "echo 0.32.0+cpu cpu"))
+    assert (engine.version, engine.device_type) == ("0.32.0+cpu", "cpu")
+
+
+def test_engine_args_follow_the_target(tmp_path):
+    import json
+
+    (tmp_path / "mla").mkdir()
+    (tmp_path / "mla" / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    (tmp_path / "wrapper").mkdir()
+    (tmp_path / "wrapper" / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 512}, "vision_config": {}}))
+    assert ve.engine_args(256, tmp_path / "mla")["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in ve.engine_args(256, tmp_path / "mla", device_type="cuda")
+    wrapper = ve.engine_args(256, tmp_path / "wrapper")
+    assert wrapper["language_model_only"] and wrapper["attention_backend"] == "CPU_MLA"
+    command = ve.serve_command(ve.Engine("py", "0.32.0"), "m", 8000, wrapper, None)
+    assert command[command.index("--max-model-len") + 1] == "256"
+    assert "--language-model-only" in command and "--no-enable-prefix-caching" in command and "--enforce-eager" in command
 
 
 def test_started_processes_are_stopped_with_their_children(tmp_path):
@@ -76,8 +93,10 @@ def test_started_processes_are_stopped_with_their_children(tmp_path):
             assert time.monotonic() < deadline, "the child was not started"
             time.sleep(0.1)
         child = int(pid_file.read_text())
+        assert child in ve.processes_of(tmp_path)  # found by the marker its environment carries
     assert process.poll() is not None
     assert not alive(child)
+    assert ve.processes_of(tmp_path) == []
 
 
 def alive(pid: int) -> bool:

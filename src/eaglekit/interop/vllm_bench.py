@@ -57,7 +57,7 @@ def engine_error(run: dict[str, Any], engine: ve.Engine, target: str, log_path: 
 def offline(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
             speculative_tokens: int, workdir: Path) -> dict[str, dict[str, Any]]:
     """Both offline runs in one worker process -> {name: worker result} (raises on a refusal)."""
-    args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens))
+    args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     runs = [{"name": PLAIN, "model": target, "speculative_config": None},
             {"name": EAGLE3, "model": target, "speculative_config": ve.speculative_config(drafter, speculative_tokens)}]
     job = {"kind": "generate", "runs": [{**r, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_args": args}
@@ -111,7 +111,7 @@ def served(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int
            speculative_tokens: int, levels: tuple[int, ...], workdir: Path, startup_timeout: float,
            request_timeout: float) -> dict[str, list[dict[str, Any]]]:
     """The concurrency sweep on a `vllm serve` without, then with, the drafter -> {name: levels}."""
-    args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens))
+    args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     found = {}
     for name, spec in ((PLAIN, None), (EAGLE3, ve.speculative_config(drafter, speculative_tokens))):
         with ve.serving(engine, target, args, spec, workdir / f"serve_{name}.log", startup_timeout) as server:

