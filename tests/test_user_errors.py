@@ -30,7 +30,8 @@ CHAT = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant
 # ---- helpers -------------------------------------------------------------------------------------
 
 def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    files = (p for p in sorted(root.rglob("*")) if p.is_file())
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def assert_unchanged(before: dict[str, str], root: Path) -> None:
@@ -102,22 +103,25 @@ def test_regen_caps_answers_and_advises_a_retry_only_when_one_can_succeed(chat_t
     tokenizer = AutoTokenizer.from_pretrained(chat_target)
 
     def prompt_tokens(text: str) -> int:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
         return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
     words = ["the quick brown fox"]
     while prompt_tokens(" ".join(words)) < 500:  # leaves the answer a few of the 512-token context's positions
         words.append("the quick brown fox")
     fits, too_long = " ".join(words), " ".join(words * 2)
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "short", "messages": [{"role": "user", "content": fits}]},
-                                                       {"id": "long", "messages": [{"role": "user", "content": too_long}]}])
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": name, "messages": [{"role": "user", "content": text}]}
+                                                       for name, text in (("short", fits), ("long", too_long))])
     before = snapshot(tmp_path)
-    code, stderr = cli("regen", str(prompts), f"target={chat_target}", "output=out", "max_new_tokens=1024", cwd=tmp_path)
+    code, stderr = cli("regen", str(prompts), f"target={chat_target}", "output=out", "max_new_tokens=1024",
+                       cwd=tmp_path)
     assert code == 1
     line = one_error(stderr, "1 record(s) failed", "fills the target's context", "shorten or drop")
     assert "re-run the same command" not in line  # it would fail the same way
     assert "1 answer(s) were cut to the context their prompt leaves" in stderr  # the short one was answered
-    assert [json.loads(x)["id"] for x in (tmp_path / "out" / "conversations.jsonl").read_text().splitlines()] == ["short"]
+    lines = (tmp_path / "out" / "conversations.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == ["short"]
     assert_unchanged(before, tmp_path)
 
 
@@ -246,9 +250,9 @@ def test_a_full_disk_in_train_leaves_no_partial_checkpoint(chat_target, data, tm
     from eaglekit.stages import train
 
     monkeypatch.setattr(checkpoint.torch, "save", _disk_full)
-    config = load_config(train.Config, overrides={"target": chat_target, "data": [str(data)], "output": str(tmp_path / "t"),
-                                                  "max_steps": 1, "save_every": 1, "batch_size": 2, "ttt_steps": 1,
-                                                  "draft_vocab_size": 64, "max_length": 64})
+    config = load_config(train.Config, overrides={"target": chat_target, "data": [str(data)], "max_steps": 1,
+                                                  "output": str(tmp_path / "t"), "save_every": 1, "batch_size": 2,
+                                                  "ttt_steps": 1, "draft_vocab_size": 64, "max_length": 64})
     with pytest.raises(EaglekitError, match="disk full while writing the training checkpoints"):
         train.run(config)
     assert not list((tmp_path / "t" / "checkpoints").glob(".tmp-step-*"))
@@ -304,8 +308,9 @@ def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path
     target = Path(build_chat_target(tmp_path / "three"))
     config = json.loads((target / "config.json").read_text())
     LlamaForCausalLM(LlamaConfig(**{**config, "num_hidden_layers": 3})).save_pretrained(target)
-    result = extract.run(load_config(extract.Config, overrides={"data": [str(data)], "target": str(target), "limit": 2,
-                                                                "output": str(tmp_path / "x"), "aux_layer_ids": [0, 2, 3]}))
+    overrides = {"data": [str(data)], "target": str(target), "limit": 2, "output": str(tmp_path / "x"),
+                 "aux_layer_ids": [0, 2, 3]}
+    result = extract.run(load_config(extract.Config, overrides=overrides))
     assert json.loads((result.output / "manifest.json").read_text())["aux_layer_ids"] == [0, 2, 3]
 
 
@@ -320,8 +325,10 @@ def test_regen_and_serve_take_a_chat_template(chat_target, tmp_path):
 def test_serve_passes_the_drafters_tree_and_chain_shape(chat_target, drafter_dir):
     from eaglekit.stages import serve
 
-    tree = serve.build_engine(serve.Config(target=chat_target, drafter=str(drafter_dir), depth=3, total_tokens=10, tree_top_k=2))
-    chain = serve.build_engine(serve.Config(target=chat_target, drafter=str(drafter_dir), method="chain", chain_length=2))
+    tree = serve.build_engine(serve.Config(target=chat_target, drafter=str(drafter_dir), depth=3, total_tokens=10,
+                                           tree_top_k=2))
+    chain = serve.build_engine(serve.Config(target=chat_target, drafter=str(drafter_dir), method="chain",
+                                            chain_length=2))
     assert tree.options == {"depth": 3, "total_tokens": 10, "tree_top_k": 2} and chain.options == {"chain_length": 2}
     assert tree.max_context < 512  # the context keeps room for one step's drafts
 
@@ -341,11 +348,13 @@ def test_report_explains_its_numbers_and_flags_a_drafter_that_learned_nothing(tm
     (out / "train" / "manifest.json").write_text(json.dumps({"stage": "train", "val": val, "drafter_config": drafter,
                                                              "config": {"step_decay": 0.8}}))
     rows = [{"method": "plain", "temperature": 0.0, "tokens_per_second": 100.0},
-            {"method": "tree", "temperature": 0.0, "tokens_per_second": 84.0, "tau": 1.14, "acceptance_per_position": [0.1]}]
+            {"method": "tree", "temperature": 0.0, "tokens_per_second": 84.0, "tau": 1.14,
+             "acceptance_per_position": [0.1]}]
     (out / "bench" / "bench.json").write_text(json.dumps({"rows": rows, "config": {"device": "cpu", "depth": 3}}))
     (out / "bench" / "manifest.json").write_text(json.dumps({"stage": "bench"}))
     text = write_report(out).path.read_text()
     assert "tau = tokens produced per target forward" in text
     assert "0.84x is no verdict on the drafter" in text and "1 + 3 x 26% = 1.8 target steps" in text
     assert "sum over the 3 draft positions of 0.8^k" in text
-    assert "this drafter learned (next to) nothing" in text and "validation accuracy at draft position 1 is 0.000" in text
+    assert "this drafter learned (next to) nothing" in text
+    assert "validation accuracy at draft position 1 is 0.000" in text

@@ -38,9 +38,9 @@ def target_step_parameters(target: str) -> int | None:
     text = data.get("text_config") or data
     try:
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        return step_parameters(hidden, int(text["intermediate_size"]), heads, int(text.get("num_key_value_heads") or heads),
-                               int(text.get("head_dim") or hidden // heads), int(text["vocab_size"]),
-                               int(text["num_hidden_layers"]))
+        kv_heads, head_dim = int(text.get("num_key_value_heads") or heads), int(text.get("head_dim") or hidden // heads)
+        return step_parameters(hidden, int(text["intermediate_size"]), heads, kv_heads, head_dim,
+                               int(text["vocab_size"]), int(text["num_hidden_layers"]))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -78,9 +78,9 @@ def speedup_note(numbers: dict[str, Any], bench: dict[str, Any], target: int | N
     even = 1 + steps * share  # target-step costs of one verification with its drafting steps
     cost = (f" a {method} of {steps} drafting steps costs 1 + {steps} x {share:.0%} = {even:.1f} target steps per "
             f"verification, so tau must pass {even:.1f} just to break even;") if steps else ""
-    return (text + f". On {where}, where time follows parameter counts,{cost} speculative decoding pays when the target "
-            "is large beside its drafter (an 8B target is about 18x its drafter) and memory-bound (a GPU). Judge this "
-            "drafter by tau.")
+    return (text + f". On {where}, where time follows parameter counts,{cost} speculative decoding pays when the "
+            "target is large beside its drafter (an 8B target is about 18x its drafter) and memory-bound (a GPU). "
+            "Judge this drafter by tau.")
 
 
 def learned_nothing(numbers: dict[str, Any]) -> str | None:
@@ -117,7 +117,8 @@ def loss_note(val: dict[str, Any], decay: float) -> str | None:
     losses = val.get("loss_k") or []
     if not losses or val.get("loss") is None:
         return None
-    terms = " + ".join(f"{decay:g}^{k} x {v:.2f}" for k, v in enumerate(losses[:3])) + (" + ..." if len(losses) > 3 else "")
+    terms = " + ".join(f"{decay:g}^{k} x {v:.2f}" for k, v in enumerate(losses[:3]))
+    terms += " + ..." if len(losses) > 3 else ""
     return (f"The validation loss {val['loss']:.2f} is the TTT loss: the sum over the {len(losses)} draft positions of "
             f"{decay:g}^k times position k's loss ({terms}), so it is larger than any one position's loss; "
             "compare runs by the per-position rows.")
