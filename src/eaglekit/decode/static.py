@@ -281,7 +281,7 @@ class _StaticDraftNet(nn.Module):
         mask: torch.Tensor,  # (1, 1, T, capacity + draft_slots) bool
         fixed_shape: bool = True,  # False: compiled for a symbolic T (see `attention`)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same math as `DraftDecoderLayer.forward` -> (hidden_out (T, H), draft logits (T, Vd))."""
+        """Same math as `Eagle3Drafter.forward` -> (the next step's hidden (T, H), draft logits (T, Vd))."""
         mid, t = self.drafter.midlayer, ids.shape[0]
         hidden = hidden[None]  # (1, T, H)
         embeds = self.drafter.embed_tokens(ids[None]).to(hidden.dtype)  # (1, T, H)
@@ -300,7 +300,8 @@ class _StaticDraftNet(nn.Module):
         h = residual + mid.self_attn.o_proj(out.transpose(1, 2).reshape(1, t, nq))
         gate, up = F.linear(mid.post_attention_layernorm(h), self.gate_up_weight).chunk(2, dim=-1)
         h = h + mid.mlp.down_proj(mid.mlp.act_fn(gate) * up)
-        return h[0], self.drafter.lm_head(self.drafter.norm(h))[0]
+        hidden_next, logits = self.drafter.head(h)  # the next step's hidden (norm_output: post-norm), logits
+        return hidden_next[0], logits[0]
 
 
 class StaticDrafter:

@@ -10,6 +10,15 @@ keys/values of this step. Training-time test, chain and tree decoding all build 
 
 Vocabulary encoding: `d2t[i]` is an OFFSET, `target_id = draft_id + d2t[draft_id]`; `t2d` is a
 boolean mask over the target vocabulary, True for ids the draft vocabulary keeps.
+
+Variants (config fields and tensor names as vLLM's `llama_eagle3.py` and speculators name them):
+- `norm_before_fc`: `fuse` = fc(input_norm(aux)), one RMSNorm `input_norm.weight` (k*H_t) over the
+  concatenated aux states (speculators' default for eagle3).
+- `fc_norm` (EAGLE 3.1): `fuse` = fc(cat_i fc_norm_i(aux_i)), one RMSNorm `fc_norm.{i}.weight` (H_t) per aux
+  chunk, in aux-layer order. Exclusive with `norm_before_fc`.
+- `norm_output` (EAGLE 3.1): the hidden state a step hands to the next step is norm(h), the same tensor the
+  lm_head reads, instead of the pre-norm h (vLLM: the model returns `(norm(h), norm(h))` instead of
+  `(norm(h), h)`, and its proposer feeds the second back). `Eagle3Drafter.head` is that rule.
 """
 
 from __future__ import annotations
@@ -253,7 +262,12 @@ class Eagle3Drafter(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
-        self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+        num_aux, target_h = len(config.aux_layer_ids), config.target_hidden_size
+        if config.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(num_aux * target_h, eps=config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([LlamaRMSNorm(target_h, eps=config.rms_norm_eps) for _ in range(num_aux)])
+        self.fc = nn.Linear(num_aux * target_h, h, bias=False)
         self.midlayer = build_midlayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
@@ -281,7 +295,18 @@ class Eagle3Drafter(nn.Module):
     # --- forward ----------------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, 3*H_target) concatenated low/mid/high target states -> (B, T, H) feature."""
+        if self.config.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)  # one RMSNorm over all 3*H_target features
+        elif self.config.fc_norm:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)  # 3 x (B, T, H_target)
+            aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden)
+
+    def head(self, hidden_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, H) midlayer output -> (the hidden state the next step gets (B, T, H), draft logits (B, T, Vd)).
+        The logits read norm(h); the next step gets norm(h) with `norm_output`, else h."""
+        normed = self.norm(hidden_out)
+        return (normed if self.config.norm_output else hidden_out), self.lm_head(normed)
 
     def forward(
         self,
@@ -291,12 +316,13 @@ class Eagle3Drafter(nn.Module):
         past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # 2 x (B, nkv, S, D)
         mask: torch.Tensor | None = None,  # (B or 1, 1, T, S + T) bool
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One drafting step -> (hidden_out (B, T, H), draft logits (B, T, Vd), this step's (k, v))."""
+        """One drafting step -> (hidden for the next step (B, T, H) (see `head`), draft logits (B, T, Vd), this
+        step's (k, v))."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rotary_emb(hidden, position_ids)
         hidden_out, new_kv = self.midlayer(embeds, hidden, cos, sin, past_kv, mask)
-        logits = self.lm_head(self.norm(hidden_out))  # (B, T, Vd)
-        return hidden_out, logits, new_kv
+        hidden_next, logits = self.head(hidden_out)  # (B, T, H), (B, T, Vd)
+        return hidden_next, logits, new_kv
 
     # --- persistence ------------------------------------------------------------------------
     def load_target_embedding(self, weight: torch.Tensor) -> None:

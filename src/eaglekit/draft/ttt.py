@@ -2,7 +2,8 @@
 
 Alignment (raw tokens x_0..x_{T-1}; target logits L_t at position t predict x_{t+1}; m_t = 1 on
 assistant tokens). At TTT step k (k = 0..K-1) position t:
-- the feature is the fused target state f_t (step 0) or the drafter's own output of step k-1 at t;
+- the feature is the fused target state f_t (step 0) or the drafter's own output of step k-1 at t (its
+  post-norm output with `norm_output`, see `Eagle3Drafter.head`);
 - the input token is x_{t+1+k} (ids shifted left by 1+k);
 - the soft label is softmax(L_{t+1+k}[t2d]) (targets shifted left by 1+k), the distribution of x_{t+2+k};
 - the loss mask is m_{t+2+k} (the PREDICTED token is an assistant token) AND argmax L_{t+1+k} is in the
@@ -217,7 +218,8 @@ def reference_step(
     pos: torch.Tensor,  # (B, T)
     cache: list[tuple[torch.Tensor, torch.Tensor]],  # keys/values (B, nkv, T, D) of steps 0..k-1
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One TTT step written out by hand (norms, RoPE, attention over step caches, SwiGLU, head)."""
+    """One TTT step written out by hand (norms, RoPE, attention over step caches, SwiGLU, head) -> (the hidden
+    state the next step gets, logits (B, T, Vd), this step's (k, v))."""
     cfg, layer = drafter.config, drafter.midlayer
     attn, eps = layer.self_attn, cfg.rms_norm_eps
     assert cfg.hidden_act == "silu", "the reference step implements SwiGLU only"
@@ -248,8 +250,21 @@ def reference_step(
     mlp = layer.mlp
     y = _rms_norm(hidden_out, layer.post_attention_layernorm.weight, eps)
     hidden_out = hidden_out + (F.silu(y @ mlp.gate_proj.weight.T) * (y @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
-    logits = _rms_norm(hidden_out, drafter.norm.weight, eps) @ drafter.lm_head.weight.T  # (B, T, Vd)
-    return hidden_out, logits, (k, v)
+    normed = _rms_norm(hidden_out, drafter.norm.weight, eps)  # (B, T, H)
+    logits = normed @ drafter.lm_head.weight.T  # (B, T, Vd)
+    return (normed if cfg.norm_output else hidden_out), logits, (k, v)  # norm_output: the next step gets norm(h)
+
+
+def reference_fuse(drafter: Any, aux: torch.Tensor) -> torch.Tensor:
+    """(B, T, 3*H_t) aux -> (B, T, H) feature, written out: norm_before_fc = one RMSNorm over the whole
+    concatenation, fc_norm = one RMSNorm per H_t chunk, then fc."""
+    cfg = drafter.config
+    if cfg.norm_before_fc:
+        aux = _rms_norm(aux, drafter.input_norm.weight, cfg.rms_norm_eps)
+    elif cfg.fc_norm:
+        chunks = aux.split(cfg.target_hidden_size, dim=-1)  # 3 x (B, T, H_t)
+        aux = torch.cat([_rms_norm(c, n.weight, cfg.rms_norm_eps) for c, n in zip(chunks, drafter.fc_norm)], dim=-1)
+    return aux @ drafter.fc.weight.T
 
 
 def naive_ttt_forward(
@@ -260,7 +275,7 @@ def naive_ttt_forward(
     """Reference TTT: explicit per-step shifting and key/value caches, `reference_step` for the math."""
     b, t = input_ids.shape
     train, accuracy = step_masks(loss_mask, in_vocab, num_steps)
-    hidden = aux @ drafter.fc.weight.T  # (B, T, H)
+    hidden = reference_fuse(drafter, aux)  # (B, T, H)
     cache: list[tuple[torch.Tensor, torch.Tensor]] = []
     ids, labels = input_ids, probs
     loss_sums, correct = [], []
