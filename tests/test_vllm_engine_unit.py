@@ -165,3 +165,37 @@ def test_a_refused_drafter_quotes_the_engine_and_names_the_fix(tmp_path):
     assert "eaglekit doctor --engine vllm --target /models/kimi --fix" in str(error)
     other = engine_error({"name": "vllm_eagle3", "error": "KeyError: 'fc.weight'"}, engine, "t", tmp_path / "o.log")
     assert "KeyError: 'fc.weight'" in str(other) and "eaglekit doctor --engine vllm --target t" in str(other)
+
+
+def test_run_report_has_a_served_by_vllm_section_when_bench_ran_with_engine_vllm(tmp_path):
+    import json
+
+    from eaglekit.report import write_report
+
+    def level(c, plain, eagle, tau=None):
+        return {"concurrency": c, "requests": max(4, c), "new_tokens": 128, "seconds": 1.0,
+                "tokens_per_second": eagle if tau else plain, **({"tau": tau} if tau else {})}
+
+    rows = [{"method": "chain", "temperature": 0.0, "tokens_per_second": 20.0, "ms_per_token": 50.0, "tau": 2.804,
+             "acceptance_per_position": [0.75, 0.6033, 0.4511]},
+            {"method": "vllm_plain", "temperature": 0.0, "engine": "vllm", "engine_version": "0.32.0", "tokens_per_second": 200.0,
+             "concurrency": [level(1, 200.0, 0), level(4, 600.0, 0)]},
+            {"method": "vllm_eagle3", "temperature": 0.0, "engine": "vllm", "engine_version": "0.32.0", "tokens_per_second": 300.0,
+             "ms_per_token": 3.333,
+             "tau": 2.804, "acceptance_per_position": [0.75, 0.6033, 0.4511],
+             "concurrency": [level(1, 0, 300.0, 2.804), level(4, 0, 660.0, 2.8)]}]
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "manifest.json").write_text(json.dumps({"stage": "bench"}))
+    (tmp_path / "bench" / "bench.json").write_text(json.dumps({
+        "rows": rows, "num_prompts": 4, "vllm": {"python": "/venv/bin/python", "version": "0.32.0"},
+        "config": {"engine": "vllm", "prompts": "p.jsonl", "max_new_tokens": 32, "repeats": 1, "device": "cpu"}}))
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"target": "tiny"}, "steps": []}))
+    text = write_report(tmp_path).path.read_text()
+    section = text.split("## Served by vLLM", 1)[1]
+    assert "vLLM 0.32.0 (`/venv/bin/python`)" in section and "tau 2.804" in section and "0.750 0.603 0.451" in section
+    assert "| 1 | 4 | 200.0 | 300.0 | 1.50x | 2.804 |" in section and "| 4 | 4 | 600.0 | 660.0 | 1.10x | 2.800 |" in section
+    assert "| vllm_eagle3 | 0 | 300.0 | 3.33 | 1.50x vs vllm_plain |" in text  # against vLLM's own plain decoding
+    data = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    data["config"]["engine"] = "eaglekit"
+    (tmp_path / "bench" / "bench.json").write_text(json.dumps(data))
+    assert "## Served by vLLM" not in write_report(tmp_path).path.read_text()

@@ -341,6 +341,27 @@ def _section_decoding(info: dict[str, Any], plotted: bool) -> list[str]:
     return lines
 
 
+def _section_served_by_vllm(info: dict[str, Any]) -> list[str]:
+    """The real vLLM's figures when the bench ran with engine=vllm (nothing otherwise)."""
+    bench = info["bench"] or {}
+    if (bench.get("config") or {}).get("engine") != "vllm":
+        return []
+    lines = ["", "## Served by vLLM", ""]
+    rows = [r for r in bench.get("rows", []) if r.get("engine") == "vllm"]
+    failed = [r for r in rows if "error" in r]
+    if failed or not rows:
+        return lines + [f"vLLM did not finish: {(failed[0]['error'] if failed else 'no vLLM rows in bench.json')}"]
+    vllm = bench.get("vllm") or {}
+    eagle = next((r for r in rows if r["method"] == "vllm_eagle3"), {})
+    chain = next((r for r in bench.get("rows", []) if r["method"] == "chain" and r["temperature"] == 0), None)
+    lines.append(f"vLLM {vllm.get('version')} (`{vllm.get('python')}`) ran the target with and without the exported drafter "
+                 f"on the same prompt ids (T=0, fp32): tau {_fmt(eagle.get('tau'), '.3f')}, acceptance per position "
+                 + " ".join(f"{x:.3f}" for x in eagle.get("acceptance_per_position", [])) + " (vLLM's own counters)"
+                 + (f"; eaglekit's chain: tau {_fmt(chain.get('tau'), '.3f')}." if chain and "tau" in chain else "."))
+    sweep = vllm_sweep_markdown(rows)
+    return lines + (["", *sweep] if sweep else [])
+
+
 def _served_target(info: dict[str, Any]) -> str:
     """The target as an engine must be given it: the built-in 'tiny' and relative paths become absolute."""
     target = (info["run"].get("config") or {}).get("target", "TARGET")
@@ -415,7 +436,7 @@ def write_report(out: str | Path) -> Report:
     lines = _section_steps(info) + ["", f"**Headline:** {headline_text(numbers)}."]
     lines += [item for note in headline_notes(numbers, info, _served_target(info)) for item in ("", note)]
     lines += _section_data(info) + _section_training(info, trained) + _section_decoding(info, accepted)
-    lines += _section_export(info) + _section_doctor(info)
+    lines += _section_served_by_vllm(info) + _section_export(info) + _section_doctor(info)
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return Report(path, numbers, plots)
