@@ -5,7 +5,10 @@ dataclass and `run(config)`); the CLI `eaglekit <stage>` and `run_stage` below a
 them. Heavy imports (torch, transformers) happen inside the stages so that `import eaglekit` is fast.
 
     import eaglekit
-    eaglekit.run_stage("train", target="tiny", data="runs/x/extract", out="runs/x/drafter")
+    eaglekit.run_stage("extract", target="tiny", data=["chats.jsonl"], output="runs/x/extract")
+    eaglekit.run_stage("train", target="tiny", shards="runs/x/extract", output="runs/x/drafter", max_steps=20)
+
+(`chats.jsonl`: one conversation a line, e.g. `{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}`.)
 """
 
 from __future__ import annotations
