@@ -121,6 +121,22 @@ def test_unknown_route_is_404(server):
     with _client() as client:
         assert client.get(server.url + "/v2/nothing").status_code == 404
         assert client.post(server.url + "/v1/completions", json={}).status_code == 404
+        wrong_method = client.get(server.url + "/v1/chat/completions")
+        assert wrong_method.status_code == 404 and wrong_method.json()["error"]["code"] == "not_found"
+        assert client.get(server.url + "/v1/models/").status_code == 200  # a trailing slash names the same route
+
+
+def test_oversized_body_is_413(server, monkeypatch):
+    from eaglekit.target import server_api
+
+    monkeypatch.setattr(server_api, "MAX_BODY_BYTES", 64)
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
+    assert len(body) > 64
+    with _client() as client:
+        sized = client.post(server.url + "/v1/chat/completions", content=body)
+        chunked = client.post(server.url + "/v1/chat/completions", content=iter([body[:40], body[40:]]))
+    assert sized.status_code == 413 and sized.json()["error"]["code"] == "body_too_large"
+    assert chunked.status_code == 413  # no Content-Length: counted while read
 
 
 def test_parse_chat_request_defaults_and_content_parts():
