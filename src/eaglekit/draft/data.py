@@ -48,12 +48,18 @@ def conversation_records(paths: tuple[str, ...], tokenizer: Any, max_length: int
 
 def shard_tokens(dataset: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, loss_mask) of every record of a `HiddenStateDataset`, read without the hidden states."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     out = []
     for entry in dataset.manifest["shards"]:
-        with safe_open(str(dataset.directory / entry["file"]), framework="pt") as handle:
-            ids, mask, offsets = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask"), handle.get_tensor("offsets").tolist()
+        path = dataset.directory / entry["file"]
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                ids, mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+                offsets = handle.get_tensor("offsets").tolist()
+        except (SafetensorError, OSError) as error:
+            raise EaglekitError(f"shard {path} cannot be read ({error}); delete it and its line in the shard log, then "
+                                "re-run extract to rebuild it") from None
         out.extend((ids[a:b].long(), mask[a:b].bool()) for a, b in zip(offsets[:-1], offsets[1:]))
     if len(out) != len(dataset):
         raise EaglekitError(f"{dataset.directory}: shards hold {len(out)} records, the manifest lists {len(dataset)}; re-run extract")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eaglekit.errors import EaglekitError
@@ -99,8 +99,11 @@ def load_vocab(path: str | Path) -> VocabMapping:
         path = path / VOCAB_FILE
     if not path.is_file():
         raise EaglekitError(f"no draft vocabulary at {path}; run `eaglekit vocab` first or leave vocab= empty")
-    with safe_open(str(path), framework="pt") as handle:
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except (SafetensorError, OSError) as error:
+        raise EaglekitError(f"{path} is damaged or not a safetensors file ({error}); re-run `eaglekit vocab`") from None
     if "d2t" not in tensors or "t2d" not in tensors:
         raise EaglekitError(f"{path} lacks d2t/t2d tensors; it is not a draft vocabulary file")
     d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
