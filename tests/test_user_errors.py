@@ -294,7 +294,7 @@ def test_train_without_assistant_tokens(chat_target, tmp_path, capsys):
     assert "no assistant tokens in DATA" in line and "eaglekit inspect" in line
 
 
-def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path, data, caplog):
+def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path, data, caplog, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from conftest import build_chat_target
@@ -312,6 +312,13 @@ def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path
                  "aux_layer_ids": [0, 2, 3]}
     result = extract.run(load_config(extract.Config, overrides=overrides))
     assert json.loads((result.output / "manifest.json").read_text())["aux_layer_ids"] == [0, 2, 3]
+    # 5. a shard whose safetensors header is damaged (the checksum is checked later): one error naming it
+    shard = next(result.output.glob("shard-*.safetensors"))
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + shard.read_bytes()[18:])
+    before = snapshot(tmp_path)
+    line = in_process(capsys, "vocab", f"shards={result.output}", f"output={tmp_path / 'v'}")
+    assert f"shard {shard} cannot be read" in line and "re-run extract" in line
+    assert_unchanged(before, tmp_path)
 
 
 def test_regen_and_serve_take_a_chat_template(chat_target, tmp_path):
