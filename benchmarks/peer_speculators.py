@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def save_partial(out_path: Path, report: dict[str, Any]) -> None:
-    """The report so far, `status: partial`: a run cut off (a device budget) keeps what it finished."""
+    """The report so far, `status: partial`: a run cut off (a time limit, a lost machine) keeps what it finished."""
     from eaglekit.manifest import atomic_write_json
 
     atomic_write_json(out_path, {**report, "status": "partial"})
