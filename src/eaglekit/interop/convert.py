@@ -153,15 +153,22 @@ def _check_supported(llama: dict[str, Any], data: dict[str, Any]) -> None:
     problems = []
     if int(llama.get("num_hidden_layers", 1)) != 1:
         problems.append(f"num_hidden_layers={llama['num_hidden_layers']}")
-    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-        if data.get(flag) or eagle.get(flag):
-            problems.append(f"{flag}=true")
     if llama.get("attention_bias") or llama.get("mlp_bias"):
         problems.append("biases")
     if eagle.get("use_aux_hidden_state") is False:
         problems.append("use_aux_hidden_state=false (an EAGLE-1/2 drafter)")
     if problems:
         raise EaglekitError(f"drafter uses {', '.join(problems)}, which eaglekit's drafter does not implement")
+
+
+def variant_flags(data: dict[str, Any]) -> dict[str, bool]:
+    """norm_before_fc / fc_norm / norm_output where the engines read them: `norm_before_fc` from `eagle_config` or
+    the top level (vLLM, SGLang), `fc_norm` from the top level or SGLang's legacy `use_aux_norm`, `norm_output`
+    from the top level; speculators keeps all three at the top level."""
+    eagle = data.get("eagle_config") or {}
+    return {"norm_before_fc": bool(eagle.get("norm_before_fc", data.get("norm_before_fc", False))),
+            "fc_norm": bool(data.get("fc_norm") or data.get("use_aux_norm", False)),
+            "norm_output": bool(data.get("norm_output", False))}
 
 
 def drafter_config_from(data: dict[str, Any], layout: str, from_format: str = "auto",
@@ -189,7 +196,7 @@ def drafter_config_from(data: dict[str, Any], layout: str, from_format: str = "a
             target_name_or_path=marker.get("target_name_or_path") or verifier.get("name_or_path") or "",
             target_architecture=marker.get("target_architecture") or (verifier.get("architectures") or [""])[0],
             target_num_layers=int(target_num_layers or marker.get("target_num_layers") or 0),
-            **mla_format.drafter_fields(data),
+            **variant_flags(data), **mla_format.drafter_fields(data),
         )
     except KeyError as error:
         raise EaglekitError(f"drafter config lacks {error.args[0]!r}") from None
@@ -232,6 +239,10 @@ def _build(config: DrafterConfig, state: dict[str, torch.Tensor], source: Path) 
     missing = sorted(set(expected) - set(state) - {"embed_tokens.weight", "d2t", "t2d"})
     if missing:
         raise EaglekitError(f"{source}: missing tensors {missing}")
+    extra = sorted(set(state) - set(expected))
+    if extra:  # e.g. input_norm.weight without norm_before_fc: the engines would build the drafter without it
+        raise EaglekitError(f"{source}: tensors {extra} belong to a drafter variant its config.json does not enable "
+                            f"(flags {', '.join(formats.VARIANT_FLAGS)}); set the flag there, or remove the tensors")
     for key, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[key].shape):
             raise EaglekitError(f"{source}: tensor {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}")

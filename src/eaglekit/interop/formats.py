@@ -12,6 +12,13 @@ Layouts (checked against the engines' source: vLLM `model_executor/models/llama_
 - speculators: `speculators_model_type: eagle3`, a nested `transformer_layer_config`, tensors under
   `layers.0.*`, input-of-layer ids in `eagle_aux_hidden_state_layer_ids`.
 
+Drafter variants (`eaglekit.draft.model`): `input_norm.weight` (norm_before_fc) and `fc_norm.{i}.weight`
+(fc_norm) are top-level tensors in every layout. The flags: vLLM 0.32 and SGLang 0.5.23 read `norm_before_fc`
+from `eagle_config` or the top level, `fc_norm` (SGLang also the legacy `use_aux_norm`) and `norm_output` from
+the top level; speculators holds all three at the top level of its config. Exports write them in both places
+where an engine looks; a flag left out makes both engines build the drafter without it (and skip its norm
+tensors silently), hence the required-key check.
+
 Every export records `eaglekit_export` (format and id convention) in its config so that import
 never has to guess which engine's convention the ids use.
 """
@@ -45,8 +52,20 @@ LAYER_TENSORS = (
 TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight")
 OPTIONAL_TENSORS = ("embed_tokens.weight",)
 VOCAB_TENSORS = ("d2t", "t2d")
+VARIANT_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def variant_tensors(config: DrafterConfig) -> list[str]:
+    """The norms before `fc` this drafter variant has (same name in every layout)."""
+    if config.norm_before_fc:
+        return ["input_norm.weight"]
+    if config.fc_norm:
+        return [f"fc_norm.{i}.weight" for i in range(len(config.aux_layer_ids))]
+    return []
+
+
 # Tensors of drafter variants eaglekit does not implement: importing them would silently drop behaviour.
-UNSUPPORTED_PREFIXES = ("input_norm.", "fc_norm.", "layers.1.", "midlayer.self_attn.q_norm", "mask_hidden")
+UNSUPPORTED_PREFIXES = ("layers.1.", "midlayer.self_attn.q_norm", "mask_hidden")
 
 
 def layer_prefix(fmt: str) -> str:
@@ -58,6 +77,8 @@ def key_map(fmt: str) -> dict[str, str]:
     prefix = layer_prefix(fmt)
     mapping = {f"midlayer.{name}": f"{prefix}{name}" for name in LAYER_TENSORS + mla_format.LAYER_TENSORS}
     mapping.update({name: name for name in TOP_TENSORS + OPTIONAL_TENSORS + VOCAB_TENSORS})
+    mapping["input_norm.weight"] = "input_norm.weight"
+    mapping.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(3)})
     return mapping
 
 
@@ -69,7 +90,7 @@ def required_keys(fmt: str, config: DrafterConfig) -> list[str]:
     """
     prefix = layer_prefix(fmt)
     layer = mla_format.LAYER_TENSORS if mla_format.is_mla(config) else LAYER_TENSORS
-    keys = [f"{prefix}{name}" for name in layer] + list(TOP_TENSORS)
+    keys = [f"{prefix}{name}" for name in layer] + list(TOP_TENSORS) + variant_tensors(config)
     if config.draft_vocab_size < config.vocab_size:
         keys += ["d2t", "t2d"] if fmt == "speculators" else ["d2t"]
     return keys
@@ -137,7 +158,7 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
             "target_hidden_size": config.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": engine_ids,
             "norm_before_residual": config.norm_before_residual,  # vLLM defaults it to True when absent
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            **{flag: getattr(config, flag) for flag in VARIANT_FLAGS},
             "speculators_config": {
                 "algorithm": "eagle3",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
@@ -154,7 +175,10 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
     data = {**base,
             "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
             "norm_before_residual": config.norm_before_residual, "torch_dtype": dtype,
+            **{flag: getattr(config, flag) for flag in VARIANT_FLAGS},
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True}}
+    if config.norm_before_fc:  # where vLLM and SGLang look first
+        data["eagle_config"]["norm_before_fc"] = True
     if fmt == "vllm":  # vLLM >= 0.2x reads the explicit ids from the top level of the draft config only
         data["eagle_aux_hidden_state_layer_ids"] = engine_ids
     data[MARKER] = marker
@@ -204,6 +228,8 @@ def check_required(fmt: str, config: DrafterConfig, state: dict[str, torch.Tenso
         f"{prefix}self_attn.k_proj.weight": (config.num_key_value_heads * d, 2 * h),
         "d2t": (config.draft_vocab_size,),
         "t2d": (config.vocab_size,),
+        "input_norm.weight": (3 * config.target_hidden_size,),
+        **{f"fc_norm.{i}.weight": (config.target_hidden_size,) for i in range(3)},
     }
     if mla_format.is_mla(config):
         shapes.update(mla_format.tensor_shapes(config, prefix))
@@ -221,12 +247,18 @@ def to_checkpoint_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str, t
     return {mapping[k]: v for k, v in state.items()}
 
 
+# SGLang's older names of the fc_norm chunks (its loader still maps them)
+LEGACY_NAMES = {"aux_norm_low.weight": "fc_norm.0.weight", "aux_norm_mid.weight": "fc_norm.1.weight",
+                "aux_norm_high.weight": "fc_norm.2.weight"}
+
+
 def from_checkpoint_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
     """`fmt` tensor names -> eaglekit names; tensors of unsupported drafter variants are refused."""
+    state = {LEGACY_NAMES.get(k, k): v for k, v in state.items()}
     inverse = {v: k for k, v in key_map(fmt).items()}
     bad = sorted(k for k in state if k.startswith(UNSUPPORTED_PREFIXES))
     if bad:
-        raise EaglekitError(f"checkpoint holds {bad}: a drafter variant (extra layers, fc norms, q/k norms) that "
+        raise EaglekitError(f"checkpoint holds {bad}: a drafter variant (extra layers, q/k norms, parallel drafting) that "
                             "eaglekit does not implement; importing it would drop those weights")
     unknown = sorted(k for k in state if k not in inverse)
     if unknown:
