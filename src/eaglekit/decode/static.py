@@ -39,7 +39,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     prefill compiled for a symbolic length: one new shape per prompt length) avoids cuDNN attention,
     which builds an execution plan for every new shape: measured on an H200, 50-90 ms the first time a
     prompt length is seen (about 1 s for the very first), against a 16-30 ms eager prefill of the
-    reference target (`benchmarks/results/2026-12-03-h200-s6-probe.json`). K/V heads are repeated for
+    reference target (`benchmarks/results/latest/decode_probe.json`). K/V heads are repeated for
     grouped-query attention there, for the memory-efficient kernel's sake (with `enable_gqa` the probe
     measured the math kernel's speed)."""
     if not q.is_cuda or (fixed_shape and torch.compiler.is_compiling()):
