@@ -248,7 +248,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shard-dir", default=None, help="where shards are written (default: the system temp dir)")
     parser.add_argument("--no-tiny", action="store_true", help="skip the built-in tiny target")
     parser.add_argument("--no-quant", action="store_true", help="skip the bf16/float8 storage-error measurement")
-    parser.add_argument("--out", default=None, help="JSON path (default runs/benchmarks/extract_speed.json; --smoke: extract_speed_smoke.json in the temporary directory)")
+    parser.add_argument("--out", default=None, help="JSON path (default runs/benchmarks/extract_speed.json; "
+                        "--smoke: extract_speed_smoke.json in the temporary directory)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shape, args.batch_size, args.seq_len, args.steps, args.repeats, args.shard_mb = "smoke", 2, 64, 3, 2, 0.05
