@@ -53,7 +53,11 @@ def _check_cached(name: str) -> None:
     """In offline mode a hub id must be in the local Hugging Face cache: one error instead of retries."""
     from huggingface_hub import try_to_load_from_cache
 
-    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # huggingface_hub's HFValidationError: not a valid repo id at all
+        cached = None
+    if not isinstance(cached, str):
         raise EaglekitError(f"target {name} is no local directory and is not in the Hugging Face cache, and offline mode "
                             "is on (HF_HUB_OFFLINE=1): give the model's directory, or unset HF_HUB_OFFLINE to download it")
 
