@@ -226,3 +226,43 @@ def test_import_reads_sglang_legacy_fc_norm_names(tmp_path):
     save_file({legacy.get(k, k): v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
     back = import_checkpoint(tmp_path, from_format="sglang")
     assert back.config.fc_norm and torch.equal(back.fc_norm[2].weight, drafter.fc_norm[2].weight)
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    import json
+    import random
+
+    rng, words = random.Random(0), "the quick brown fox jumps over the lazy dog hello world".split()
+    path = tmp_path_factory.mktemp("variant_data") / "chat.jsonl"
+    with open(path, "w") as handle:
+        for i in range(12):
+            messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(4))},
+                        {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(8))}]
+            handle.write(json.dumps({"id": f"r{i}", "messages": messages}) + "\n")
+    return str(path)
+
+
+def test_train_options_build_and_keep_the_variant(chat_target, chat_data, tmp_path):
+    """`eaglekit train fc_norm=true norm_output=true` trains an EAGLE 3.1 drafter (its norms learn); fine-tuning it
+    keeps the variant; asking a drafter for a variant it lacks, or for both fc norms, is refused."""
+    from eaglekit.config import load_config
+    from eaglekit.stages import train as stage
+
+    def options(out, **extra):
+        base = {"target": chat_target, "data": [chat_data], "output": str(tmp_path / out), "batch_size": 4,
+                "ttt_steps": 2, "draft_vocab_size": 48, "val_fraction": 0.2, "lr": 1e-2, "warmup_steps": 0,
+                "max_steps": 2}
+        return load_config(stage.Config, overrides={**base, **extra})
+
+    stage.run(options("v31", fc_norm=True, norm_output=True))
+    drafter = Eagle3Drafter.from_pretrained(tmp_path / "v31")
+    assert drafter.config.fc_norm and drafter.config.norm_output and not drafter.config.norm_before_fc
+    assert not torch.equal(drafter.fc_norm[0].weight, torch.ones_like(drafter.fc_norm[0].weight))  # trained
+    stage.run(options("tuned", init_from=str(tmp_path / "v31"), max_steps=1))
+    tuned = Eagle3Drafter.from_pretrained(tmp_path / "tuned")
+    assert tuned.config.fc_norm and tuned.config.norm_output
+    with pytest.raises(EaglekitError, match="norm_before_fc=true: init_from"):
+        stage.run(options("bad", init_from=str(tmp_path / "v31"), norm_before_fc=True))
+    with pytest.raises(EaglekitError, match="mutually exclusive"):
+        stage.run(options("both", fc_norm=True, norm_before_fc=True))

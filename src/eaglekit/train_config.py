@@ -32,6 +32,11 @@ class TrainConfig:
     freeze_lm_head: bool = option(False, "keep lm_head fixed while training (speculators' choice; with lm_head_init=target)")
     init_std: float = option(0.0, "a fresh drafter's linear layers: 0 = torch's default init (uniform, std 1/sqrt(3 fan_in)); "
                              "> 0 = normal with this std (Hugging Face's scheme, speculators' drafters: 0.02)")
+    norm_before_fc: bool = option(False, "a fresh drafter: one RMSNorm over the concatenated aux states before fc "
+                                  "(speculators' default; exclusive with fc_norm)")
+    fc_norm: bool = option(False, "a fresh drafter: one RMSNorm per aux state before fc (EAGLE 3.1 with norm_output)")
+    norm_output: bool = option(False, "a fresh drafter: each drafting step hands the next the post-norm hidden state "
+                               "(EAGLE 3.1)")
     aux_layer_ids: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids (as extract's); empty = "
                                             "init_from's, else (2, L//2, L-3), distinct ones under 7 layers")
     ttt_steps: int = option(7, "training-time-test steps K")

@@ -5,6 +5,7 @@ mapping (kept from `init_from`, or remapped when the user asks to rebuild it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -53,6 +54,14 @@ def drafter_config_for(text_config: Any, draft_vocab_size: int, aux_layers: tupl
         target_architecture=architecture,
         target_num_layers=int(text_config.num_hidden_layers),
     )
+
+
+VARIANT_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")  # train options that are DrafterConfig fields
+
+
+def requested_variant(options: Any) -> dict[str, bool]:
+    """The drafter-variant options a training run sets (`eaglekit train fc_norm=true ...`)."""
+    return {flag: True for flag in VARIANT_OPTIONS if getattr(options, flag, False)}
 
 
 def _checkpoint_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor] | None:
@@ -172,7 +181,7 @@ def prepare_drafter(
         torch.manual_seed(options.seed)
         mapping = vocab or select_vocab(count_tokens_fn(), options.draft_vocab_size)
         config = drafter_config_for(text_config, int(mapping.used_ids.numel()), aux_layers, options.target, architecture)
-        drafter = Eagle3Drafter(config)
+        drafter = Eagle3Drafter(dataclasses.replace(config, **requested_variant(options)))
         if options.init_std > 0:
             normal_init(drafter, options.init_std)
         drafter.set_vocab_mapping(mapping.used_ids)
@@ -180,6 +189,10 @@ def prepare_drafter(
         return drafter, f"{note} (coverage {select_coverage(mapping, count_tokens_fn):.2%})"
     drafter = read_drafter(options.init_from, int(text_config.num_hidden_layers))
     check_against_target(drafter.config, text_config, options.init_from)
+    lacking = [flag for flag in requested_variant(options) if not getattr(drafter.config, flag)]
+    if lacking:
+        raise EaglekitError(f"{', '.join(f'{flag}=true' for flag in lacking)}: init_from={options.init_from} is a drafter "
+                            "without it, and fine-tuning keeps the drafter's variant; drop the option, or train a fresh drafter")
     from eaglekit.target.capture import to_input_convention
 
     own = to_input_convention(drafter.config.aux_layer_ids, drafter.config.aux_layer_convention)
