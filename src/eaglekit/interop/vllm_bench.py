@@ -59,7 +59,8 @@ def offline(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[in
     """Both offline runs in one worker process -> {name: worker result} (raises on a refusal)."""
     args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     runs = [{"name": PLAIN, "model": target, "speculative_config": None},
-            {"name": EAGLE3, "model": target, "speculative_config": ve.speculative_config(drafter, speculative_tokens)}]
+            {"name": EAGLE3, "model": target,
+             "speculative_config": ve.speculative_config(drafter, speculative_tokens, engine.device_type)}]
     job = {"kind": "generate", "runs": [{**r, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_args": args}
                                         for r in runs]}
     result = ve.run_worker(engine, job, workdir, "offline")
@@ -113,7 +114,7 @@ def served(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int
     """The concurrency sweep on a `vllm serve` without, then with, the drafter -> {name: levels}."""
     args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     found = {}
-    for name, spec in ((PLAIN, None), (EAGLE3, ve.speculative_config(drafter, speculative_tokens))):
+    for name, spec in ((PLAIN, None), (EAGLE3, ve.speculative_config(drafter, speculative_tokens, engine.device_type))):
         with ve.serving(engine, target, args, spec, workdir / f"serve_{name}.log", startup_timeout) as server:
             found[name] = sweep(server, prompts, max_new_tokens, levels, request_timeout)
     return found

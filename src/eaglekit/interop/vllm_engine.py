@@ -192,13 +192,19 @@ def engine_args(max_model_len: int, target: str | Path | None = None, device_typ
     facts = target_facts(target) if target else {}
     if facts.get("mla") and device_type == "cpu":
         args["attention_backend"] = "CPU_MLA"
+        # vLLM 0.32's CPU rotary kernel (the custom op) leaves MLA's strided k_pe unrotated and scrambles q's rope
+        # slice (measured against its own forward_native); the native rotary is exact
+        args["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
     if facts.get("multimodal"):
         args["language_model_only"] = True
     return args
 
 
-def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-    return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+def speculative_config(drafter: str | Path, num_speculative_tokens: int, device_type: str = "cpu") -> dict[str, Any]:
+    config = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+    if target_facts(drafter)["mla"] and device_type == "cpu":  # an MLA drafter: vLLM picks its backend on its own
+        config["attention_backend"] = "CPU_MLA"
+    return config
 
 
 # ---- counters --------------------------------------------------------------------------------------
@@ -296,7 +302,7 @@ def serve_command(engine: Engine, model: str, port: int, args: dict[str, Any], s
         elif value is False:
             command.append("--no-" + flag[2:])
         else:
-            command += [flag, str(value)]
+            command += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     if spec:
         command += ["--speculative-config", json.dumps(spec)]
     return command
