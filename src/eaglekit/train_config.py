@@ -37,6 +37,14 @@ class TrainConfig:
     fc_norm: bool = option(False, "a fresh drafter: one RMSNorm per aux state before fc (EAGLE 3.1 with norm_output)")
     norm_output: bool = option(False, "a fresh drafter: each drafting step hands the next the post-norm hidden state "
                                "(EAGLE 3.1)")
+    drafter_arch: str = option("llama", "a fresh drafter's midlayer: llama (q/k/v attention), or mla (DeepSeek latent "
+                               "attention, what DeepSeek-V3/Kimi-K2 deployments serve; its dims below, 0 = the target's)",
+                               choices=("llama", "mla"))
+    q_lora_rank: int = option(0, "drafter_arch=mla: query latent rank (0 = the MLA target's)")
+    kv_lora_rank: int = option(0, "drafter_arch=mla: key/value latent rank (0 = the MLA target's)")
+    qk_nope_head_dim: int = option(0, "drafter_arch=mla: per-head query/key dims without RoPE (0 = the MLA target's)")
+    qk_rope_head_dim: int = option(0, "drafter_arch=mla: per-head query/key dims with RoPE (0 = the MLA target's)")
+    v_head_dim: int = option(0, "drafter_arch=mla: per-head value dims (0 = the MLA target's)")
     aux_layer_ids: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids (as extract's); empty = "
                                             "init_from's, else (2, L//2, L-3), distinct ones under 7 layers")
     ttt_steps: int = option(7, "training-time-test steps K")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from eaglekit.draft import mla
 from eaglekit.draft.model import FORMAT, INPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
 from eaglekit.draft.vocab import VocabMapping, load_vocab, mapping_from_drafter, remap_rows, select_vocab
 from eaglekit.errors import EaglekitError
@@ -181,7 +182,8 @@ def prepare_drafter(
         torch.manual_seed(options.seed)
         mapping = vocab or select_vocab(count_tokens_fn(), options.draft_vocab_size)
         config = drafter_config_for(text_config, int(mapping.used_ids.numel()), aux_layers, options.target, architecture)
-        drafter = Eagle3Drafter(dataclasses.replace(config, **requested_variant(options)))
+        arch = mla.architecture_fields(options, text_config)  # drafter_arch=mla: the MLA dims
+        drafter = Eagle3Drafter(dataclasses.replace(config, **requested_variant(options), **arch))
         if options.init_std > 0:
             normal_init(drafter, options.init_std)
         drafter.set_vocab_mapping(mapping.used_ids)
@@ -189,6 +191,7 @@ def prepare_drafter(
         return drafter, f"{note} (coverage {select_coverage(mapping, count_tokens_fn):.2%})"
     drafter = read_drafter(options.init_from, int(text_config.num_hidden_layers))
     check_against_target(drafter.config, text_config, options.init_from)
+    mla.check_init_from(options, drafter.config, options.init_from)
     lacking = [flag for flag in requested_variant(options) if not getattr(drafter.config, flag)]
     if lacking:
         raise EaglekitError(f"{', '.join(f'{flag}=true' for flag in lacking)}: init_from={options.init_from} is a drafter "
