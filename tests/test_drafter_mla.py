@@ -221,3 +221,57 @@ def test_required_key_check_covers_the_mla_tensors():
     with pytest.raises(EaglekitError, match="kv_b_proj"):
         formats.check_required("sglang", config, state)
     assert "midlayer.self_attn.q_proj.weight" not in formats.required_keys("vllm", config)
+
+
+# --- training ---------------------------------------------------------------------------------
+def tiny_deepseek_target(directory) -> str:
+    """A tiny random DeepSeek-V3 (MLA + MoE) checkpoint with the built-in tiny target's tokenizer."""
+    import shutil
+
+    import transformers as tf
+
+    from eaglekit.target.loading import tiny_target_path
+
+    torch.manual_seed(0)
+    config = tf.DeepseekV3Config(vocab_size=4096, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                 topk_group=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                 v_head_dim=12, max_position_embeddings=256, tie_word_embeddings=False,
+                                 rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_target_path() / name, directory / name)
+    return str(directory)
+
+
+def train_config(target: str, output, **overrides):
+    from eaglekit.train_config import TrainConfig
+
+    from engines import PROMPTS
+
+    fields = dict(target=target, data=(str(PROMPTS),), output=str(output), draft_vocab_size=256, ttt_steps=2, max_steps=2,
+                  batch_size=2, max_length=48, val_fraction=0.0, log_every=1000, save_every=100000, device="cpu",
+                  dtype="fp32", drafter_arch="mla")
+    return TrainConfig(**{**fields, **overrides})
+
+
+def test_train_drafter_arch_mla_takes_the_targets_dims(tmp_path):
+    """`eaglekit train drafter_arch=mla` on an MLA target: the drafter's MLA dims and YaRN RoPE are the target's;
+    an explicit option wins over the target's value."""
+    from eaglekit.draft.train import train
+
+    target = tiny_deepseek_target(tmp_path / "target")
+    train(train_config(target, tmp_path / "drafter", v_head_dim=6))
+    drafter = Eagle3Drafter.from_pretrained(tmp_path / "drafter")
+    c = drafter.config
+    assert c.drafter_arch == "mla" and isinstance(drafter.midlayer, mla.MLADecoderLayer)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (24, 16, 8, 8, 6)
+    assert c.rope_parameters["rope_type"] == "yarn" and c.rope_parameters["factor"] == 2.0
+
+
+def test_train_drafter_arch_mla_on_a_non_mla_target_names_the_options(tmp_path):
+    from eaglekit.draft.train import train
+
+    with pytest.raises(EaglekitError, match="q_lora_rank=N kv_lora_rank=N"):
+        train(train_config("tiny", tmp_path / "drafter"))

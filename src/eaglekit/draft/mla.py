@@ -197,3 +197,26 @@ def mla_dims(text_config: Any) -> dict[str, int] | None:
     if not all(values[name] for name in MLA_FIELDS if name != "q_lora_rank"):
         return None
     return {name: int(value) if value else 0 for name, value in values.items()}
+
+
+def architecture_fields(options: Any, text_config: Any) -> dict[str, Any]:
+    """DrafterConfig fields for a fresh drafter of `options.drafter_arch` (`eaglekit train drafter_arch=mla`): {} for
+    llama; for mla each MLA dimension from the option when set (> 0), else from the target's own MLA config."""
+    arch = getattr(options, "drafter_arch", "llama") or "llama"
+    if arch != ARCH:
+        return {}
+    target = mla_dims(text_config) or {}
+    dims = {name: int(getattr(options, name, 0) or target.get(name, 0)) for name in MLA_FIELDS}
+    missing = [name for name, value in dims.items() if not value]
+    if missing:
+        raise EaglekitError(f"drafter_arch=mla: the target has no MLA config to take {', '.join(missing)} from; set "
+                            f"{' '.join(f'{name}=N' for name in missing)} (DeepSeek-V3: q_lora_rank=1536 kv_lora_rank=512 "
+                            "qk_nope_head_dim=128 qk_rope_head_dim=64 v_head_dim=128)")
+    return {"drafter_arch": ARCH, **dims}
+
+
+def check_init_from(options: Any, config: DrafterConfig, source: str) -> None:
+    """Fine-tuning keeps the drafter's midlayer: asking for mla on a drafter of another architecture is refused."""
+    if getattr(options, "drafter_arch", "llama") == ARCH and config.drafter_arch != ARCH:
+        raise EaglekitError(f"drafter_arch=mla: init_from={source} is a {config.drafter_arch} drafter, and fine-tuning keeps "
+                            "its architecture; drop drafter_arch=, or train a fresh MLA drafter without init_from")
