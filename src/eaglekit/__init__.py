@@ -6,7 +6,7 @@ them. Heavy imports (torch, transformers) happen inside the stages so that `impo
 
     import eaglekit
     eaglekit.run_stage("extract", target="tiny", data=["chats.jsonl"], output="runs/x/extract")
-    eaglekit.run_stage("train", target="tiny", shards="runs/x/extract", output="runs/x/drafter", max_steps=20)
+    eaglekit.run_stage("train", target="tiny", shards="runs/x/extract", output="runs/x/drafter", max_steps=5)
 
 (`chats.jsonl`: one conversation a line, e.g. `{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}`.)
 """
