@@ -262,6 +262,13 @@ def test_train_options_build_and_keep_the_variant(chat_target, chat_data, tmp_pa
     stage.run(options("tuned", init_from=str(tmp_path / "v31"), max_steps=1))
     tuned = Eagle3Drafter.from_pretrained(tmp_path / "tuned")
     assert tuned.config.fc_norm and tuned.config.norm_output
+    from eaglekit.interop.convert import export_drafter
+
+    export_drafter(drafter, tmp_path / "v31-vllm", "vllm")  # fine-tuning a published (vLLM-layout) EAGLE 3.1 drafter
+    stage.run(options("tuned-vllm", init_from=str(tmp_path / "v31-vllm"), max_steps=1, draft_vocab_size=32))
+    from_engine = Eagle3Drafter.from_pretrained(tmp_path / "tuned-vllm")
+    assert from_engine.config.fc_norm and from_engine.config.norm_output
+    assert torch.equal(from_engine.d2t, drafter.d2t)  # its vocabulary mapping kept, not rebuilt from the data
     with pytest.raises(EaglekitError, match="norm_before_fc=true: init_from"):
         stage.run(options("bad", init_from=str(tmp_path / "v31"), norm_before_fc=True))
     with pytest.raises(EaglekitError, match="mutually exclusive"):
