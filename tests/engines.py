@@ -65,9 +65,10 @@ def train_drafter(target: str, output: Path, steps: int = 40, lr: float = 1e-3, 
     from eaglekit.draft.train import train
     from eaglekit.train_config import TrainConfig
 
-    config = TrainConfig(target=target, data=(data or str(PROMPTS),), output=str(output), draft_vocab_size=draft_vocab_size,
-                         ttt_steps=3, max_steps=steps, batch_size=4, max_length=192, lr=lr, warmup_steps=2,
-                         val_fraction=0.0, log_every=1000, save_every=100000, device="cpu", dtype="fp32")
+    config = TrainConfig(target=target, data=(data or str(PROMPTS),), output=str(output),
+                         draft_vocab_size=draft_vocab_size, ttt_steps=3, max_steps=steps, batch_size=4,
+                         max_length=192, lr=lr, warmup_steps=2, val_fraction=0.0, log_every=1000, save_every=100000,
+                         device="cpu", dtype="fp32")
     train(config)
     return str(output)
 
@@ -99,7 +100,8 @@ def random_target(kind: str, directory: Path, seed: int = 0) -> str:
 
     torch.manual_seed(seed)
     common = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2,
+                  pad_token_id=0)
     if kind == "qwen3":
         config = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=32)
     elif kind == "deepseek_v3":
@@ -134,7 +136,8 @@ WRAPPERS = {  # architecture -> (model_type, tiny vision config, config keys of 
 }
 
 
-def moonshot_wrapper(language_model: Path, directory: Path, architecture: str = "KimiVLForConditionalGeneration") -> str:
+def moonshot_wrapper(language_model: Path, directory: Path,
+                     architecture: str = "KimiVLForConditionalGeneration") -> str:
     """A Moonshot multimodal wrapper checkpoint (KimiVL / Kimi-K2.5) holding `language_model` (a DeepSeek-V3
     checkpoint) by composition: text_config = its config, weights under `language_model.`, a tiny vision config.
     The vision tower gets no weights: vLLM runs it as its language model (language_model_only, text prompts)."""

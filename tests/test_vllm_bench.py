@@ -30,10 +30,11 @@ def benched(tmp_path_factory) -> tuple[Path, dict]:
     answers = engines.own_answers("tiny", root / "regen")
     drafter = engines.train_drafter("tiny", root / "drafter", steps=30, lr=2e-3, data=answers)
     output = root / "bench"
-    config = load_config(bench.Config, None, [f"prompts={engines.EVAL_PROMPTS}", "target=tiny", f"drafter={drafter}",
-                                              "methods=chain", "chain_length=3", "temperatures=0", f"num_prompts={NUM_PROMPTS}",
-                                              f"max_new_tokens={NEW_TOKENS}", "repeats=1", "warmup=0", "device=cpu",
-                                              f"output={output}", "engine=vllm", f"vllm_python={python}", "concurrency=1,4"])
+    overrides = [f"prompts={engines.EVAL_PROMPTS}", "target=tiny", f"drafter={drafter}", "methods=chain",
+                 "chain_length=3", "temperatures=0", f"num_prompts={NUM_PROMPTS}", f"max_new_tokens={NEW_TOKENS}",
+                 "repeats=1", "warmup=0", "device=cpu", f"output={output}", "engine=vllm", f"vllm_python={python}",
+                 "concurrency=1,4"]
+    config = load_config(bench.Config, None, overrides)
     bench.run(config)
     return output, json.loads((output / "bench.json").read_text())
 
@@ -77,10 +78,10 @@ def test_regen_openai_against_vllm_serve_equals_vllm_offline_greedy(benched, tmp
     engine = ve.find_engine(engines.vllm_python())
     target = resolve_target("tiny")
     with ve.serving(engine, target, ve.engine_args(512, target), None, tmp_path / "serve.log", 600) as server:
-        config = load_config(regen.Config, None, [f"data={engines.EVAL_PROMPTS}", f"output={tmp_path / 'regen'}",
-                                                  "backend=openai", f"servers={server.url}", "turns=first", "temperature=0",
-                                                  f"max_new_tokens={NEW_TOKENS}", f"limit={NUM_PROMPTS}", "concurrency=4",
-                                                  "timeout=120", "retries=1"])
+        overrides = [f"data={engines.EVAL_PROMPTS}", f"output={tmp_path / 'regen'}", "backend=openai",
+                     f"servers={server.url}", "turns=first", "temperature=0", f"max_new_tokens={NEW_TOKENS}",
+                     f"limit={NUM_PROMPTS}", "concurrency=4", "timeout=120", "retries=1"]
+        config = load_config(regen.Config, None, overrides)
         regen.run(config)
     assert server.process.poll() is not None and ve.processes_of(tmp_path) == []
     from eaglekit.data import read_conversations

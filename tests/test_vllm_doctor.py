@@ -1,4 +1,4 @@
-"""The doctor's verdict, read from vLLM's installed source, against vLLM's own runtime `supports_eagle3(model_class)`."""
+"""The doctor's verdict, read from vLLM's installed source, against vLLM's runtime `supports_eagle3(model_class)`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from eaglekit.interop.engine_doctor import diagnose
 pytestmark = pytest.mark.engine
 
 # supported and refused ones, dense, MoE, MLA and multimodal wrappers (each imports on the CPU build)
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MistralForCausalLM",
-                 "Phi3ForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "MistralForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
+                 "DeepseekV3ForCausalLM",
                  "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration", "MixtralForCausalLM",
                  "Gemma2ForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FalconForCausalLM")
 

@@ -46,7 +46,8 @@ def prompt_ids() -> list[list[int]]:
 
 
 def eaglekit_chain(target: str, drafter: str, output: Path) -> dict:
-    config = load_config(bench.Config, None, [f"prompts={engines.EVAL_PROMPTS}", f"target={target}", f"drafter={drafter}",
+    config = load_config(bench.Config, None, [f"prompts={engines.EVAL_PROMPTS}", f"target={target}",
+                                              f"drafter={drafter}",
                                               "methods=chain", f"chain_length={DRAFTS}", "temperatures=0",
                                               f"num_prompts={NUM_PROMPTS}", f"max_new_tokens={NEW_TOKENS}", "repeats=1",
                                               "warmup=0", "device=cpu", f"output={output}"])
@@ -56,7 +57,8 @@ def eaglekit_chain(target: str, drafter: str, output: Path) -> dict:
 def prepare(kind: str, root: Path) -> Served:
     target = engines.random_target(kind, root / kind)
     answers = engines.own_answers(target, root / f"{kind}-regen")
-    drafter = engines.train_drafter(target, root / f"{kind}-drafter", steps=20, lr=2e-3, data=answers, draft_vocab_size=4096)
+    drafter = engines.train_drafter(target, root / f"{kind}-drafter", steps=20, lr=2e-3, data=answers,
+                                    draft_vocab_size=4096)
     export = export_for_vllm(drafter, root / f"{kind}-drafter-vllm", DRAFTS)
     return Served(target, drafter, str(export), eaglekit_chain(target, drafter, root / f"{kind}-bench"))
 
@@ -71,7 +73,8 @@ def served(engine, tmp_path_factory) -> dict[str, Served]:
     root = tmp_path_factory.mktemp("vllm_targets")
     found = {kind: prepare(kind, root) for kind in ("qwen3", "deepseek_v3")}
     deepseek = found["deepseek_v3"]  # the wrappers hold its weights: eaglekit's bench on it is theirs
-    for name, architecture in (("kimi_vl", "KimiVLForConditionalGeneration"), ("kimi_k25", "KimiK25ForConditionalGeneration")):
+    wrappers = (("kimi_vl", "KimiVLForConditionalGeneration"), ("kimi_k25", "KimiK25ForConditionalGeneration"))
+    for name, architecture in wrappers:
         wrapper = engines.moonshot_wrapper(Path(deepseek.target), root / name, architecture)
         found[name] = Served(wrapper, deepseek.drafter, deepseek.export, deepseek.bench_row)
     return found
@@ -113,13 +116,14 @@ def test_doctor_fix_plugin_makes_vllm_serve_the_wrapper(engine, served, tmp_path
     vllm.general_plugins entry point, vLLM's venv untouched) -> served, acceptance equal to eaglekit's bench."""
     source = vllm_package_dir(engine)
     wrapper = served["kimi_vl"]
-    fix = doctor.run(load_config(doctor.Config, None, [f"target={wrapper.target}", "engine=vllm", f"engine_source={source}",
+    fix = doctor.run(load_config(doctor.Config, None, [f"target={wrapper.target}", "engine=vllm",
+                                                       f"engine_source={source}",
                                                        "fix=true", f"fix_output={tmp_path / 'plugins'}",
                                                        "installed_plugins=false"]))
     assert fix["verdict"] == "not supported" and fix["plugin_fix_possible"]
     site = tmp_path / "site"
-    subprocess.run([engine.python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
-                    fix["plugin_written"]], check=True, timeout=300)
+    subprocess.run([engine.python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), fix["plugin_written"]], check=True, timeout=300)
     entry_points = next(site.glob("*.dist-info/entry_points.txt")).read_text()
     assert "[vllm.general_plugins]" in entry_points
     env = {"PYTHONPATH": str(site)}
@@ -128,10 +132,12 @@ def test_doctor_fix_plugin_makes_vllm_serve_the_wrapper(engine, served, tmp_path
     verdict = checked["architectures"]["KimiVLForConditionalGeneration"]
     assert verdict["supports_eagle3"] and verdict["class"].startswith("eaglekit_eagle3_"), verdict
     rechecked = doctor.run(load_config(doctor.Config, None, [f"target={wrapper.target}", "engine=vllm",
-                                                             f"engine_source={source}", f"plugins={tmp_path / 'plugins'}",
+                                                             f"engine_source={source}",
+                                                             f"plugins={tmp_path / 'plugins'}",
                                                              "installed_plugins=false"]))
     assert rechecked["verdict"] == "supported"
     result = ve.run_worker(engine, {"kind": "generate", "runs": [job_run("kimi_vl", wrapper, engine, prompt_ids())]},
                            tmp_path, "wrapper", env=env)
     assert_equal_acceptance(result["runs"][0], wrapper.bench_row)
-    assert json.loads((Path(wrapper.target) / "config.json").read_text())["architectures"] == ["KimiVLForConditionalGeneration"]
+    architectures = json.loads((Path(wrapper.target) / "config.json").read_text())["architectures"]
+    assert architectures == ["KimiVLForConditionalGeneration"]
