@@ -23,6 +23,7 @@ from typing import Any
 
 from eaglekit.config import option, save_resolved
 from eaglekit.errors import EaglekitError
+from eaglekit.layers import CONVENTIONS, INPUT_OF_LAYER
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ class Config:
     max_length: int = option(2048, "tokens per record; longer records are truncated (and counted)")
     aux_layer_ids: tuple[int, ...] = option((), "3 layer ids to capture (empty = 2, L//2, L-3; distinct ones on "
                                             "targets under 7 layers)")
-    # the choices spell out eaglekit.draft.model's conventions and eaglekit.target.store.STORAGE_DTYPES (tests/test_cli.py checks)
-    aux_layer_convention: str = option("input_of_layer", "meaning of aux_layer_ids", choices=("input_of_layer", "output_of_layer"))
+    aux_layer_convention: str = option(INPUT_OF_LAYER, "meaning of aux_layer_ids", choices=CONVENTIONS)
+    # the choices spell out eaglekit.target.store.STORAGE_DTYPES, which needs torch (tests/test_cli.py checks)
     dtype: str = option("bf16", "storage dtype; float8_e4m3fn halves the bytes (per-row scales)",
                         choices=("bf16", "fp16", "fp32", "float8_e4m3fn"))
     model_dtype: str = option("auto", "dtype the target runs in (auto = bf16 on GPU, fp32 on CPU)")

@@ -188,7 +188,8 @@ def prepare_output(out: Path, identity: dict[str, Any], overwrite: bool, rank: i
 def layout_and_identity(target_config: Any, tokenizer: Any, aux_ids: tuple[int, ...], dtype: str, max_length: int,
                         chat_template: str) -> tuple[StoreLayout, dict[str, Any]]:
     """The store's layout and the identity a resumed run must match (`RUN_FILE`, then the manifest)."""
-    from eaglekit.target.capture import INPUT_OF_LAYER, text_config
+    from eaglekit.layers import INPUT_OF_LAYER
+    from eaglekit.target.capture import text_config
     from eaglekit.target.store import STORE_FORMAT, StoreLayout
 
     text = text_config(target_config)
