@@ -71,10 +71,48 @@ def _find_rotary(model: nn.Module) -> nn.Module:
     raise EaglekitError(f"{type(model).__name__} has no rotary_emb module; the static fast path needs a RoPE model (use backend=eager)")
 
 
+def _fuse_layer_weights(layer: nn.Module) -> bool:
+    """Give a decoder layer one q/k/v weight and one gate/up weight (non-persistent buffers `qkv_weight`,
+    `qkv_bias`, `gate_up_weight`), with the separate projections' parameters re-pointed to views of them: a
+    batch-1 step is bound by weight reads, and a small GEMV (k and v are a quarter of q under grouped-query
+    attention) reads its bytes at a fraction of the bandwidth a large one does. No weight is copied (the
+    model keeps its memory) and the layer's own modules compute the same values. Parameters replaced later
+    (not updated in place) are not seen by the fused buffers. False, and the layer left as it is, where the
+    weights cannot be viewed so: mixed devices or dtypes, tensor subclasses (quantised or sharded weights),
+    biases on some projections only, a biased gate/up."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+    weights = [m.weight for m in projections + gate_up]
+    if getattr(attn, "qkv_weight", None) is not None and attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr():
+        return True  # fused before (another backend over the same model)
+    biases = [m.bias for m in projections]
+    plain = weights[0].device.type != "meta" and all(  # meta: offloaded by accelerate, the weights arrive per call
+        type(w) is nn.Parameter and w.device == weights[0].device and w.dtype == weights[0].dtype for w in weights)
+    mixed_bias = any(b is None for b in biases) and not all(b is None for b in biases)
+    if not plain or mixed_bias or any(m.bias is not None for m in gate_up):
+        return False
+
+    def fuse(modules, name: str) -> torch.Tensor:
+        tensors = [getattr(m, name) for m in modules]
+        fused = torch.cat([t.detach() for t in tensors])  # (sum of out features, in features) or (sum,)
+        start = 0
+        for module, t in zip(modules, tensors):
+            setattr(module, name, nn.Parameter(fused[start : start + t.shape[0]], requires_grad=t.requires_grad))
+            start += t.shape[0]
+        return fused
+
+    with torch.no_grad():
+        attn.register_buffer("qkv_weight", fuse(projections, "weight"), persistent=False)
+        attn.register_buffer("qkv_bias", None if biases[0] is None else fuse(projections, "bias"), persistent=False)
+        mlp.register_buffer("gate_up_weight", fuse(gate_up, "weight"), persistent=False)
+    return True
+
+
 class StaticLlama(nn.Module):
     """A static-KV-cache forward over a loaded HF Llama-family model's modules (weights shared)."""
 
-    def __init__(self, model: nn.Module, capacity: int, aux_layers: tuple[int, ...] | None):
+    def __init__(self, model: nn.Module, capacity: int, aux_layers: tuple[int, ...] | None,
+                 fuse_projections: bool = True):
         super().__init__()
         stack = find_decoder(model)
         config = text_config(model.config)
@@ -96,6 +134,7 @@ class StaticLlama(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.aux_layers = aux_layers
         self.capacity = capacity
+        self.fused = fuse_projections and all(_fuse_layer_weights(layer) for layer in self.layers)
         cos, sin = _rotary_tables(_find_rotary(model), capacity, param.dtype, param.device)
         self.register_buffer("cos", cos, persistent=False)  # (capacity, D)
         self.register_buffer("sin", sin, persistent=False)
@@ -116,12 +155,26 @@ class StaticLlama(nn.Module):
             for cache in self.caches(i):
                 _compact(cache, 2, base, nodes)
 
+    def _qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (1, T, nh*D), k and v (1, T, nkv*D): one GEMM over the fused weight, else the three projections."""
+        if not self.fused:
+            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return F.linear(x, attn.qkv_weight, attn.qkv_bias).split([nq, nkv, nkv], dim=-1)
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return mlp(x)
+        gate, up = F.linear(x, mlp.gate_up_weight).chunk(2, dim=-1)  # (1, T, I) each
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
     def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask, fixed_shape: bool) -> torch.Tensor:
         attn = layer.self_attn
         t = x.shape[1]
-        q = attn.q_proj(x).view(1, t, self.num_heads, self.head_dim)  # (1, T, nh, D)
-        k = attn.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)  # (1, T, nkv, D)
-        v = attn.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, D)
+        q, k, v = self._qkv(attn, x)
+        q = q.view(1, t, self.num_heads, self.head_dim)  # (1, T, nh, D)
+        k = k.view(1, t, self.num_kv_heads, self.head_dim)  # (1, T, nkv, D)
+        v = v.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, D)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (1, nh|nkv, T, D)
@@ -156,7 +209,7 @@ class StaticLlama(nn.Module):
             if i in wanted:
                 states[i] = x
             x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, slots, mask, fixed_shape)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         if len(self.layers) in wanted:
             states[len(self.layers)] = x
         logits = self.lm_head(self.norm(x if rows is None else x[:, rows]))[0]  # (T, V), or (len(rows), V)
@@ -198,8 +251,9 @@ def _compact(buffer: torch.Tensor, dim: int, base: int, nodes: torch.Tensor) -> 
 class StaticTarget:
     """Target backend over `StaticLlama` (same methods as `backends.HFTarget`)."""
 
-    def __init__(self, model: nn.Module, capacity: int, aux_layers: tuple[int, ...] | None, compile: bool = False):
-        self.net = StaticLlama(model, capacity, aux_layers)
+    def __init__(self, model: nn.Module, capacity: int, aux_layers: tuple[int, ...] | None, compile: bool = False,
+                 fuse_projections: bool = True):
+        self.net = StaticLlama(model, capacity, aux_layers, fuse_projections)
         self.device = self.net.cos.device
         self.capacity, self.length, self.last_length = capacity, 0, 0
         self.compile = compile

@@ -1,0 +1,252 @@
+"""What one decoding step costs at a target's shape: plain steps against the memory-bandwidth bound, and each
+speculative step relative to a plain one, split into its parts. Random weights (labelled so in the JSON):
+a step's cost does not depend on the weights' values, only on the shapes.
+
+    python benchmarks/step_cost.py --output X.json                                   # GPU, 8B-shaped Llama, bf16
+    python benchmarks/step_cost.py --output X.json --reference-bench runs/reference/run/bench/bench.json
+    python benchmarks/step_cost.py --smoke --output /tmp/step_cost.json              # CPU, tiny shapes
+
+- `plain`: decode-phase milliseconds per token of eaglekit's plain fast path (static KV cache, compiled,
+  CUDA graphs; the prefill excluded), with the target's fused q/k/v and gate/up GEMMs and with the separate
+  projections; tokens/s as a fraction of the bound (model bytes / copy bandwidth measured in this run).
+- `steps`: per speculative shape (chain k = 3, 4, 7; tree depth 6, top-k 8, 48 and 60 nodes) the fused
+  step's milliseconds (`decode/fused.py`: one CUDA graph a step) and its ratio to a plain step.
+- `parts`: for the shapes named by `--parts`, each part of a step compiled and timed on its own at the
+  same shapes: draft (the drafter's levels), verify forward (the target over the step's nodes),
+  verification (greedy path), KV compaction (the accepted path's entries kept), drafter extend;
+  `unattributed` = the fused step minus their sum (what running them as one graph saves, when negative).
+- `projection` (with `--reference-bench`): the speed-up at this shape that a drafter with the reference
+  target's measured tau would give, tau x plain step / speculative step, beside the reference target's
+  own measured speed-up. A projection, not a measurement: it assumes the same acceptance at this shape.
+Timings exclude warm-up and compilation and are medians of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_speed import SHAPE_8B, SHAPE_SMOKE, build_model, copy_bandwidth, random_drafter  # noqa: E402
+from eaglekit.decode import Decoder  # noqa: E402
+from eaglekit.decode.engine import DecodeOptions, decode_loop, draft_size, grow_tree  # noqa: E402
+from eaglekit.decode.fused import tree_mask  # noqa: E402
+from eaglekit.decode.graphs import GraphSteps, compiled  # noqa: E402
+from eaglekit.decode.static import StaticDrafter, StaticTarget  # noqa: E402
+from eaglekit.decode.verify import greedy_path  # noqa: E402
+from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
+
+SHAPES = {
+    "chain3": dict(method="chain", chain_length=3),
+    "chain4": dict(method="chain", chain_length=4),
+    "chain7": dict(method="chain", chain_length=7),
+    "tree48": dict(method="tree", depth=6, tree_top_k=8, total_tokens=48),
+    "tree60": dict(method="tree", depth=6, tree_top_k=8, total_tokens=60),
+}
+DEFAULT_SHAPE = {"chain": "chain4", "tree": "tree48"}  # the shapes `eaglekit bench` measures by default
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_ms(fn, device: torch.device, repeats: int, calls: int) -> float:
+    """Median over `repeats` of the milliseconds per call of `calls` back-to-back calls (after 3 warm-up calls).
+    Each call starts a new CUDA-graph step, so replays of one graph may follow each other."""
+    def once():
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        fn()
+    for _ in range(3):
+        once()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            once()
+        _sync(device)
+        times.append((time.perf_counter() - start) / calls * 1000)
+    return statistics.median(times)
+
+
+def plain_ms(model, prompt: list[int], new_tokens: int, compile_: bool, fuse: bool, repeats: int) -> float:
+    """Decode-phase ms per token of plain decoding on a static target built with or without fused projections."""
+    target = StaticTarget(model, len(prompt) + new_tokens + 8, None, compile=compile_, fuse_projections=fuse)
+    options = DecodeOptions(method="plain")
+    vocab = model.get_output_embeddings().weight.shape[0]
+
+    def run() -> float:
+        target.reset()
+        stats = decode_loop(target, None, None, prompt, new_tokens, options, vocab).stats
+        return 1000 * stats.decode_seconds / max(stats.target_forwards - 1, 1)
+    run()  # compile, record the graphs
+    return statistics.median(run() for _ in range(repeats))
+
+
+def step_ms(decoder: Decoder, prompt: list[int], new_tokens: int, options: dict, repeats: int) -> float:
+    """Decode-phase ms per fused speculative step (a random drafter: one token a step, the same shapes)."""
+    def run() -> float:
+        stats = decoder.generate(prompt, new_tokens, **options).stats
+        return 1000 * stats.decode_seconds / max(len(stats.accepted), 1)
+    run()
+    return statistics.median(run() for _ in range(repeats))
+
+
+def step_parts(model, drafter, prompt: list[int], shape: dict, compile_: bool, repeats: int, calls: int) -> dict:
+    """Each part of one speculative step as its own compiled graph at the fused step's shapes (module docstring)."""
+    options = DecodeOptions(**shape)
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    nodes = draft_size(options)
+    path_length = min(options.draft_depth, nodes - 1) + 1
+    capacity = len(prompt) + 4 * nodes
+    aux_layers = tuple(drafter.config.aux_layer_ids)
+    target = StaticTarget(model, capacity, aux_layers, compile=compile_)
+    slots = options.chain_length if options.method == "chain" else options.depth * options.tree_top_k
+    backend = StaticDrafter(drafter, capacity, slots, compile=compile_)
+    n = len(prompt)
+    ids = torch.tensor(prompt, device=device)
+    logits, aux = target.forward(ids, torch.arange(n, device=device), torch.ones(n, n, dtype=torch.bool, device=device).tril(),
+                                 last_only=True)
+    token = logits[-1].argmax()
+    hidden, draft_logits = backend.extend(aux, torch.cat([ids[1:], token.reshape(1)]), torch.arange(n, device=device))
+    m = torch.tensor(n, device=device)
+    root = (hidden[-1].clone(), draft_logits[-1].clone(), token.clone())
+
+    def draft_part():
+        tree, ancestors = grow_tree(GraphSteps(backend, m), drafter, *root, m, options, vocab, None)
+        return tree.tokens, tree.parents, tree.depths, ancestors
+    tokens, parents, depths, ancestors = (x.clone() for x in draft_part())
+    offsets = torch.arange(nodes, device=device)
+
+    def verify_forward():
+        return target.net(tokens, m + depths, m + offsets, tree_mask(target._columns, m, ancestors)[None, None])
+    verify_logits, verify_aux = (x.clone() for x in verify_forward())
+
+    def verification():
+        return greedy_path(tokens, parents, ancestors, verify_logits.argmax(-1))
+    path = torch.arange(path_length, device=device)  # the longest path: what the fused step compacts and extends
+    rows = torch.arange(path_length, device=device)
+
+    def compaction():
+        target.net.compact(m, path)
+        return path
+
+    def extend():
+        return backend._extend(verify_aux[path], tokens[path], m + rows, m)
+    parts = {"draft": draft_part, "verify_forward": verify_forward, "verification": verification,
+             "kv_compaction": compaction, "drafter_extend": extend}
+    return {name: call_ms(compiled(fn, compile_), device, repeats, calls) for name, fn in parts.items()}
+
+
+def projection(reference_bench: str, plain: float, steps: dict[str, float]) -> list[dict]:
+    """tau x plain step / speculative step per (method, temperature) row of a reference bench.json."""
+    rows = json.loads(Path(reference_bench).read_text())["rows"]
+    plain_rows = {r["temperature"]: r for r in rows if r["method"] == "plain"}
+    out = []
+    for row in rows:
+        if row["method"] not in DEFAULT_SHAPE or row.get("tau") is None:
+            continue
+        spec = steps[DEFAULT_SHAPE[row["method"]]]
+        measured = plain_rows.get(row["temperature"])
+        out.append({"method": row["method"], "temperature": row["temperature"], "tau": row["tau"],
+                    "shape": DEFAULT_SHAPE[row["method"]], "step_ratio": spec / plain,
+                    "projected_speedup": row["tau"] * plain / spec,
+                    "reference_measured_speedup": row["tokens_per_second"] / measured["tokens_per_second"] if measured else None})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no compile (proves the script runs)")
+    parser.add_argument("--output", required=True, help="the JSON written (a .md table beside it)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=20, help="parts: back-to-back calls per timed repeat")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="speculative shapes to time (of: " + ", ".join(SHAPES) + ")")
+    parser.add_argument("--parts", default="chain4,tree48", help="shapes whose step is also split into parts ('' = none)")
+    parser.add_argument("--reference-bench", default="", help="a reference target's bench.json: project its tau to this shape")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    compile_ = device.type == "cuda"
+    new_tokens = 12 if args.smoke else args.new_tokens
+    shape = SHAPE_SMOKE if args.smoke else SHAPE_8B
+    model = build_model(shape, device, dtype)
+    drafter = random_drafter(model, device, dtype)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device, 64 if args.smoke else 2048, args.repeats)
+    bound = bandwidth / model_bytes
+    prompt = list(range(1, 33))
+    torch.manual_seed(0)
+
+    plain = {"fused_projections": plain_ms(model, prompt, new_tokens, compile_, True, args.repeats),
+             "separate_projections": plain_ms(model, prompt, new_tokens, compile_, False, args.repeats)}
+    plain_fraction = {name: 1000 / ms / bound for name, ms in plain.items()}
+    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
+    names = [s for s in args.shapes.split(",") if s]
+    steps = {name: step_ms(decoder, prompt, new_tokens, SHAPES[name], args.repeats) for name in names}
+    base = plain["fused_projections"]
+    parts = {}
+    for name in (s for s in args.parts.split(",") if s):
+        parts[name] = step_parts(model, drafter, prompt, SHAPES[name], compile_, args.repeats, args.calls)
+        if name in steps:
+            parts[name]["unattributed"] = steps[name] - sum(parts[name].values())
+    result = {
+        "benchmark": "step_cost", "weights": "random (step cost depends on shapes only)",
+        "device": str(device), "dtype": str(dtype), "shape": shape, "smoke": args.smoke, "compile": compile_,
+        "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+        "model_bytes": model_bytes, "copy_bandwidth_bytes_per_s": bandwidth, "bound_tokens_per_s": bound,
+        "plain_step_ms": plain, "plain_tokens_per_s": {k: 1000 / v for k, v in plain.items()},
+        "plain_fraction_of_bound": plain_fraction,
+        "steps": {name: {"options": SHAPES[name], "step_ms": ms, "ratio_to_plain": ms / base} for name, ms in steps.items()},
+        "parts_ms": parts,
+        "goals": {"plain>=0.75_of_bound": plain_fraction["fused_projections"] >= 0.75,
+                  "chain_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items() if k.startswith("chain")),
+                  "tree_step<=1.35x_plain": all(v / base <= 1.35 for k, v in steps.items() if k.startswith("tree"))},
+        "environment": environment(),
+    }
+    if args.reference_bench:
+        result["projection"] = projection(args.reference_bench, base, steps)
+    atomic_write_json(args.output, result)
+    Path(args.output).with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Step cost, {result['shape']['num_hidden_layers']}-layer {result['shape']['hidden_size']}-wide Llama "
+             f"({result['weights']}; {result['device']}, {result['dtype']})", "",
+             f"Bound: {result['bound_tokens_per_s']:.1f} tokens/s (copy bandwidth "
+             f"{result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, {result['model_bytes'] / 1e9:.2f} GB of weights).", "",
+             "| plain | ms/token | tokens/s | of bound |", "|---|---|---|---|"]
+    for name, ms in result["plain_step_ms"].items():
+        lines.append(f"| {name} | {ms:.3f} | {1000 / ms:.1f} | {result['plain_fraction_of_bound'][name]:.1%} |")
+    columns = list(next(iter(result["parts_ms"].values()), {}))
+    lines += ["", "| step | ms | / plain | " + "".join(f"{c} ms | " for c in columns), "|---|---|---|" + "---|" * len(columns)]
+    for name, step in result["steps"].items():
+        parts = result["parts_ms"].get(name, {})
+        lines.append(f"| {name} | {step['step_ms']:.3f} | {step['ratio_to_plain']:.3f}x | "
+                     + "".join(f"{parts[c]:.3f} | " if c in parts else " | " for c in columns))
+    if result.get("projection"):
+        lines += ["", "| method | T | reference tau | step / plain | projected speed-up (this shape) | measured (reference target) |",
+                  "|---|---|---|---|---|---|"]
+        for row in result["projection"]:
+            measured = row["reference_measured_speedup"]
+            lines.append(f"| {row['method']} ({row['shape']}) | {row['temperature']:g} | {row['tau']:.2f} | {row['step_ratio']:.3f} | "
+                         f"{row['projected_speedup']:.2f}x | {'' if measured is None else f'{measured:.2f}x'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

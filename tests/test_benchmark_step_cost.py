@@ -1,0 +1,37 @@
+"""benchmarks/step_cost.py on the CPU at tiny shapes: every figure present and consistent with the others."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
+    bench = tmp_path / "bench.json"  # a reference target's bench rows, as `eaglekit bench` writes them
+    bench.write_text(json.dumps({"rows": [
+        {"method": "plain", "temperature": 0.0, "tokens_per_second": 100.0, "tau": None},
+        {"method": "chain", "temperature": 0.0, "tokens_per_second": 180.0, "tau": 3.0}]}))
+    step_cost = load("step_cost")
+    out = tmp_path / "step_cost.json"
+    result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4", "--parts", "chain4",
+                             "--repeats", "1", "--calls", "2", "--reference-bench", str(bench)])
+    assert json.loads(out.read_text())["steps"] == result["steps"]
+    plain = result["plain_step_ms"]["fused_projections"]
+    step = result["steps"]["chain4"]
+    assert step["ratio_to_plain"] == step["step_ms"] / plain
+    parts = result["parts_ms"]["chain4"]
+    assert set(parts) == {"draft", "verify_forward", "verification", "kv_compaction", "drafter_extend", "unattributed"}
+    assert all(v > 0 for k, v in parts.items() if k != "unattributed")
+    (row,) = result["projection"]
+    assert row["reference_measured_speedup"] == 1.8 and row["projected_speedup"] == 3.0 * plain / step["step_ms"]
+    assert "| chain4 |" in (tmp_path / "step_cost.md").read_text()
