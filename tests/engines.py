@@ -124,33 +124,23 @@ def random_target(kind: str, directory: Path, seed: int = 0) -> str:
     return str(directory)
 
 
-WRAPPERS = {  # architecture -> (model_type, tiny vision config, config keys of the wrapper)
-    "KimiVLForConditionalGeneration": ("kimi_vl", {
-        "patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "num_attention_heads": 2,
-        "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2]},
-        {"media_placeholder_token_id": 4095}),
-    "KimiK25ForConditionalGeneration": ("kimi_k25", {
-        "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 2, "num_attention_heads": 2,
-        "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2]},
-        {"image_token_id": 4095, "video_token_id": 4094, "projection_hidden_size": 32}),
-}
+KIMI_VL_VISION = {"patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "num_attention_heads": 2,
+                  "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2]}
 
 
-def moonshot_wrapper(language_model: Path, directory: Path,
-                     architecture: str = "KimiVLForConditionalGeneration") -> str:
-    """A Moonshot multimodal wrapper checkpoint (KimiVL / Kimi-K2.5) holding `language_model` (a DeepSeek-V3
-    checkpoint) by composition: text_config = its config, weights under `language_model.`, a tiny vision config.
+def kimi_vl_wrapper(language_model: Path, directory: Path) -> str:
+    """A KimiVLForConditionalGeneration checkpoint (vLLM's Moonshot wrapper) holding `language_model` (a DeepSeek-V3
+    checkpoint) by composition: text_config = its config, weights under `language_model.`, a tiny MoonViT config.
     The vision tower gets no weights: vLLM runs it as its language model (language_model_only, text prompts)."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    model_type, vision, extra = WRAPPERS[architecture]
     directory.mkdir(parents=True, exist_ok=True)
     text = json.loads((language_model / "config.json").read_text())
-    config = {"architectures": [architecture], "model_type": model_type, "text_config": text, "vision_config": vision,
-              **extra, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "float32",
-              "tie_word_embeddings": False}
+    config = {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl", "text_config": text,
+              "vision_config": KIMI_VL_VISION, "media_placeholder_token_id": 4095, "pad_token_id": 0,
+              "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "float32", "tie_word_embeddings": False}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     state = load_file(str(language_model / "model.safetensors"))
     save_file({f"language_model.{k}": v for k, v in state.items()}, str(directory / "model.safetensors"),
