@@ -178,17 +178,19 @@ def test_dims_from_an_mla_target_config():
 
 
 # --- engine layouts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-def test_export_import_round_trip_keeps_logits(tmp_path, fmt):
-    """vLLM/SGLang layout of the MLA drafter (Eagle3DeepseekV2ForCausalLM, a DeepSeek-V3-schema config) reads back
-    with the same numbers and the same configuration."""
+def test_export_import_round_trip_keeps_logits(tmp_path, fmt, variant):
+    """vLLM/SGLang layout of the MLA drafter (Eagle3DeepseekV2ForCausalLM, a DeepSeek-V3-schema config), also as
+    EAGLE 3.1 (fc_norm + norm_output, which both engines' MLA drafters read), reads back with the same numbers and
+    the same configuration."""
     import json
 
     from transformers import DeepseekV3Config
 
     from eaglekit.interop.convert import export_drafter, import_checkpoint, probe_logits
 
-    drafter = mla_drafter(rope_parameters=YARN)
+    drafter = mla_drafter(rope_parameters=YARN, **variant)
     summary = export_drafter(drafter, tmp_path / fmt, fmt)
     data = json.loads((tmp_path / fmt / "config.json").read_text())
     assert data["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and data["model_type"] == "kimi_k2"
@@ -197,6 +199,8 @@ def test_export_import_round_trip_keeps_logits(tmp_path, fmt):
     assert (deepseek.kv_lora_rank, deepseek.qk_nope_head_dim, deepseek.qk_rope_head_dim, deepseek.v_head_dim) == (20, 8, 6, 10)
     assert deepseek.rope_parameters["rope_type"] == "yarn" and deepseek.rope_parameters["mscale_all_dim"] == 0.7
     assert "midlayer.self_attn.kv_a_proj_with_mqa.weight" in summary["tensors"] and summary["max_logit_difference"] == 0.0
+    assert data["fc_norm"] == bool(variant) and data["norm_output"] == bool(variant)
+    assert ("fc_norm.2.weight" in summary["tensors"]) == bool(variant)
     back = import_checkpoint(tmp_path / fmt, from_format=fmt)
     assert back.config == drafter.config
     torch.testing.assert_close(probe_logits(back), probe_logits(drafter), rtol=0, atol=0)
@@ -275,3 +279,28 @@ def test_train_drafter_arch_mla_on_a_non_mla_target_names_the_options(tmp_path):
 
     with pytest.raises(EaglekitError, match="q_lora_rank=N kv_lora_rank=N"):
         train(train_config("tiny", tmp_path / "drafter"))
+
+
+# --- decoding ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, backend", [("deepseek_v3", "eager"), ("llama", "static")])
+def test_speculative_greedy_equals_the_targets_with_an_mla_drafter(kind, backend):
+    """The decoder runs the MLA drafter (eager drafter step, also under backend=static) and greedy speculative
+    decoding gives the target's own greedy tokens, chain and tree."""
+    from builders import VOCAB as TARGET_VOCAB
+    from builders import tiny_target
+
+    from eaglekit.decode import Decoder, static_drafter_supported
+
+    target = tiny_target(kind)
+    torch.manual_seed(3)
+    config = mla_config(vocab_size=TARGET_VOCAB, draft_vocab_size=64, aux_layer_ids=(1, 2, 3), target_num_layers=4)
+    drafter = Eagle3Drafter(config).eval()
+    drafter.set_vocab_mapping(torch.arange(64) + 7)  # a draft vocabulary of 64 of the target's 96 ids
+    drafter.load_target_embedding(target.get_input_embeddings().weight)
+    assert not static_drafter_supported(drafter)
+    prompt = [5, 17, 33, 2, 71, 40]
+    plain = Decoder(target, None, backend, max_length=128).generate(prompt, 16, method="plain").tokens
+    decoder = Decoder(target, drafter, backend, max_length=128)
+    for method in ("chain", "tree"):
+        result = decoder.generate(prompt, 16, method=method, chain_length=3, depth=3, tree_top_k=2, total_tokens=6)
+        assert result.tokens == plain, method
