@@ -154,6 +154,48 @@ def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...], bench_methods
     run_stage.run(load_config(run_stage.Config, None, overrides))
 
 
+def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_repeats: int) -> None:
+    """A second drafter trained by the run's own train stage with some options changed (`--variant`: same
+    shards, vocabulary, split, seed and steps) and benched by the run's bench stage on the same prompts
+    (speculative methods only: plain decoding does not depend on the drafter)."""
+    from eaglekit.config import load_config, parse_overrides, to_dict
+    from eaglekit.manifest import atomic_write_json, environment
+    from eaglekit.stages import bench as bench_stage
+    from eaglekit.stages import train as train_stage
+    from eaglekit.stages.run import Config, plan
+
+    run = work / "run"
+    steps = {s.name: s for s in plan(load_config(Config, run / "run.yaml", {"out": str(run),
+                                                                               "stages": ["regen", "extract", "vocab", "train", "bench"]}))}
+    variant_dir = work / "variant"
+    options = parse_overrides(variant.split(","))
+    train_config = steps["train"].make_config()  # validated like a command line: an unknown option is one error
+    train_config = load_config(type(train_config), None, {**to_dict(train_config), **options, "output": str(variant_dir / "train")})
+    log(f"training the variant drafter ({variant})")
+    trained = train_stage.run(train_config)
+    bench_config = steps["bench"].make_config()
+    methods = tuple(m for m in (bench_methods.split(",") if bench_methods else bench_config.methods) if m in ("chain", "tree"))
+    bench_config = load_config(type(bench_config), None, {
+        **to_dict(bench_config), "drafter": str(variant_dir / "train"), "output": str(variant_dir / "bench"),
+        "methods": list(methods), **({"repeats": bench_repeats} if bench_repeats else {})})
+    rows = bench_stage.run(bench_config)["rows"]
+    base = json.loads((run / "train" / "manifest.json").read_text())
+    atomic_write_json(out / "variant.json", {
+        "benchmark": "drafter_variant", "variant": options, "environment": environment(),
+        "baseline": {"val": base.get("val"), "steps": base.get("steps"), "drafter": str(run / "train")},
+        "trained": {"val": trained.get("val"), "steps": trained.get("steps"), "drafter": str(variant_dir / "train")},
+        "bench": rows,
+    })
+
+
+def run_step_cost(work: Path, out: Path, smoke: bool) -> None:
+    """8B-shaped step costs (random weights), with the reference target's measured tau projected onto them."""
+    bench = work / "run" / "bench" / "bench.json"
+    flags = ["--smoke", "--shapes", "chain4,tree48", "--repeats", "1"] if smoke else []
+    _script("step_cost.py", *flags, "--output", str(out / "step_cost_8b.json"),
+            *(["--reference-bench", str(bench)] if bench.is_file() else []))
+
+
 def run_train_speed(out: Path, smoke: bool, budget_s: float) -> None:
     """8B-shaped drafter: tokens/s, MFU, peak memory (cases past the budget are skipped, not cut off)."""
     cases = "offline:compile:flex,online:compile:flex,offline:compile:sdpa,offline:eager:sdpa"  # best first
@@ -256,6 +298,8 @@ def summarise(work: Path, out: Path) -> dict:
         "extract_speed": {name: load(out / f"extract_speed_{name}.json") for name in ("8b_ram", "reference_ram", "reference_disk")},
         "peer_speculators": load(out / "peer_speculators.json"),
         "step_profile": load(out / "step_profile.json"),
+        "variant": load(out / "variant.json"),
+        "step_cost_8b": load(out / "step_cost_8b.json"),
     }
     for key in ("reference_target", "draft_lm"):
         if summary[key]:
@@ -313,6 +357,20 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
             return f"val tau {tau}, bench tau {bench or '-'}"
         speed.append(f"- peer (speculators, {peer.get('status')}): eaglekit {taus(peer.get('eaglekit') or {})}; "
                      f"peer {taus(peer.get('peer') or {})}")
+    cost = summary.get("step_cost_8b")
+    if cost:
+        fraction = cost["plain_fraction_of_bound"]["fused_projections"]
+        speed.append(f"- step_cost ({cost['weights']}): plain {cost['plain_tokens_per_s']['fused_projections']:.1f} tok/s "
+                     f"({fraction:.1%} of the bound); step / plain: "
+                     + ", ".join(f"{name} {step['ratio_to_plain']:.3f}" for name, step in cost["steps"].items()))
+        for row in cost.get("projection", []):
+            speed.append(f"- projection at the 8B shape, {row['method']} T={row['temperature']:g}: tau {row['tau']:.2f} x "
+                         f"plain / step = {row['projected_speedup']:.2f}x (reference target measured {row['reference_measured_speedup']:.2f}x)")
+    variant = summary.get("variant")
+    if variant:
+        accuracy = lambda side: " ".join(f"{a:.3f}" for a in ((variant[side].get("val") or {}).get("acc_k") or []))  # noqa: E731
+        speed.append(f"- variant {variant['variant']}: val accuracy per position {accuracy('trained')} (baseline {accuracy('baseline')}); "
+                     + ", ".join(f"{r['method']} T={r['temperature']:g} tau {r['tau']:.2f}" for r in variant["bench"] if r.get("tau")))
     if speed:
         lines += ["## Speed and peers", "", *speed, ""]
     return "\n".join(lines)
@@ -321,7 +379,7 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
-                        help="comma list of: target, pipeline, bench, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), extract_speed_reference (its reference target in RAM only), summary")
+                        help="comma list of: target, pipeline, bench, variant, step_cost, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), extract_speed_reference (its reference target in RAM only), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
@@ -332,6 +390,8 @@ def main() -> int:
     parser.add_argument("--no-draft-lm", action="store_true", help="target part: skip the draft LM (only HF assisted generation uses it)")
     parser.add_argument("--peer-variants", nargs="*", default=[], metavar="KEY=VALUE,...",
                         help="peer part: also train eaglekit drafters with these train options changed (peer_speculators.py --variants)")
+    parser.add_argument("--variant", default="fc_norm=true,norm_output=true", metavar="KEY=VALUE,...",
+                        help="variant part: train options changed for the second drafter (default: EAGLE 3.1's fc_norm + norm_output)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else GPU
@@ -354,6 +414,8 @@ def main() -> int:
         "extract_speed": lambda: run_extract_speed(work, out, args.smoke),
         "extract_speed_reference": lambda: (run_extract_speed(work, out, True) if args.smoke
                                             else run_extract_speed_reference(work, out)),
+        "variant": lambda: run_variant(work, out, args.variant, args.bench_methods, args.bench_repeats),
+        "step_cost": lambda: run_step_cost(work, out, args.smoke),
         "summary": lambda: summarise(work, out),
     }
     unknown = [p for p in parts if p not in steps]

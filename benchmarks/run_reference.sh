@@ -8,11 +8,13 @@
 #                                              # runs/reference-results.tgz (also while the job runs)
 #
 # The job, about 25 minutes on one H200: tests/test_decode_gpu.py (beside the target's build) -> run_all target
-# -> pipeline, bench, summary -> the speculators peer (when PEER_WHEELS names a folder of its wheels:
+# -> pipeline, bench, summary -> step_cost -> variant -> the speculators peer (when PEER_WHEELS names a folder of its wheels:
 # benchmarks/peer_speculators.py lists them) -> extract_speed_reference (shards in RAM), profile, summary.
 # Environment:
 #   RUN_ALL_FLAGS         flags for every run_all part, e.g. "--no-draft-lm --bench-methods plain,chain,tree" to
 #                         leave out the slow HF peers (split on spaces: no quoted values inside)
+#   REFERENCE_STEP_COST=0 leave out step_cost (8B-shaped step costs, random weights, with the bench's tau projected)
+#   REFERENCE_VARIANT=0   leave out the variant drafter (run_all --variant, default EAGLE 3.1: fc_norm + norm_output)
 #   REFERENCE_SPEED=0     leave out extract_speed_reference and profile
 #   REFERENCE_PEER_FIRST=1  run the peer right after the pipeline's training, before the bench
 #   PEER_WHEELS           folder of speculators' wheels (default .whl); installed into runs/peer-site, a folder
@@ -57,6 +59,8 @@ job() {
         peer
     fi
     run_all pipeline,bench,summary bench
+    [ "${REFERENCE_STEP_COST:-1}" = 1 ] && run_all step_cost,summary step_cost
+    [ "${REFERENCE_VARIANT:-1}" = 1 ] && run_all variant,summary variant
     [ "${REFERENCE_PEER_FIRST:-0}" = 1 ] || peer
     [ "${REFERENCE_SPEED:-1}" = 1 ] && run_all extract_speed_reference,profile,summary extract_profile
     log DONE
