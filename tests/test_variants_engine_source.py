@@ -24,7 +24,8 @@ def test_vllm_reads_the_variant_flags_and_feeds_back_the_post_norm_state():
     assert 'eagle_config.get( "norm_before_fc", getattr(self.config, "norm_before_fc", False) )' in model
     assert 'getattr(self.config, "fc_norm", False)' in model and 'getattr(self.config, "norm_output", False)' in model
     assert "self.input_norm: RMSNorm | None = RMSNorm( self.fc_input_size," in model  # input_norm.weight [k*H_t]
-    assert "RMSNorm(target_hidden_size, eps=self.config.rms_norm_eps) for _ in range(self.num_aux_hidden_states)" in model
+    per_chunk = "RMSNorm(target_hidden_size, eps=self.config.rms_norm_eps) for _ in range(self.num_aux_hidden_states)"
+    assert per_chunk in model  # fc_norm.{i}.weight [H_t]
     assert "aux_output = hidden_states if self.norm_output else hidden_prenorm" in model  # (logits' input, fed back)
     assert 'orig_to_new_substr["input_norm."] = None' in model  # without the flag the tensor is dropped silently
     proposer = flat((Path(root) / "v1/spec_decode/llm_base_proposer.py").read_text())
