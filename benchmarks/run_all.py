@@ -1,31 +1,25 @@
 """The GPU reference benchmark: the whole eaglekit pipeline on a self-trained target, beside its peers.
 
-    # one H200 (30 device-minutes a session, 10 per command; the machine and runs/reference stay warm for
-    # 30 s after a command, so issue the next one at once); each part skips what is already on disk:
+    # on a GPU host; each part skips what is already on disk (--work), figures go to --out:
     python -m pytest -q tests/test_decode_gpu.py   # first: the compiled CUDA fast path equals the eager one (~1 min)
-    python benchmarks/run_all.py --parts target --work runs/reference --out $OUT                   # ~7 min
-    # pipeline, then the peer trainer and the reference target's extract/regen speed; speculators' wheels
-    # (benchmarks/peer_speculators.py lists them) go to a folder that only the peer's process sees:
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    EAGLEKIT_PEER_SITE=/tmp/site python benchmarks/run_all.py --parts pipeline,peer,regen_speed,extract_speed \
-        --work runs/reference --out $OUT                                                           # ~3 + 3 + 1 + 2 min
-    python benchmarks/run_all.py --parts bench,summary --work runs/reference --out $OUT            # ~7-8 min
-    # the remaining speed figures need no trained target (~5 min; then ~5 min for the 8B-shaped figures,
-    # last measured in earlier sessions: results/2026-12-02-h200-{decode_speed,s4-extract_speed_*}.json):
-    python benchmarks/run_all.py --parts decode_speed,train_speed,summary --work runs/reference --out $OUT
-    python benchmarks/run_all.py --parts decode_speed_8b,summary --work runs/reference --out $OUT
-    # or, as in the fifth session, one chain in the background that runs on between device commands; each
-    # command only waits on its log and returns the results packed in one tar file (benchmarks/device_chain.sh:
-    # `bash benchmarks/device_chain.sh start`, then `bash benchmarks/device_chain.sh wait` until CHAIN DONE)
-    # the same flow at toy sizes on a CPU, under a minute:
+    python benchmarks/run_all.py --parts target --work runs/reference --out runs/reference-results     # ~5 min
+    python benchmarks/run_all.py --parts pipeline,bench,summary --work runs/reference --out runs/reference-results
+    # the peer trainer: speculators and its pinned needs in a folder that only the peer's process sees
+    # (benchmarks/peer_speculators.py lists the wheels for a host without internet):
+    python -m pip install -q --no-index --no-deps --target runs/peer-site .whl/*.whl
+    EAGLEKIT_PEER_SITE=runs/peer-site python benchmarks/run_all.py --parts peer,summary --work runs/reference \
+        --out runs/reference-results
+    # speed figures that need no trained target (8B-shaped, random weights):
+    python benchmarks/run_all.py --parts decode_speed,decode_speed_8b,train_speed,summary --out runs/reference-results
+    # or all of it as one background job: benchmarks/run_reference.sh start|wait|collect
+    # the same flow at toy sizes on a CPU, a few minutes:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
-Measured on an H200 on 2026-12-03 (seventh session, one background chain of 23 min with
-device_chain.sh): target 329 s and draft LM 89 s (tokenising included), pipeline ~170 s (regen 74 s,
-train 84 s for 1,100 steps), bench with every method at T=0 and T=1 on 8 prompts 369 s, extract_speed on
-the reference target plus profile 3.6 min, the peer part 3.4 min (it stopped in speculators; both causes
-are now avoided, see benchmarks/README.md); earlier: train_speed's four cases 103 s, decode_speed 163 s,
-extract_speed on the 8B shape 31 s, regen_speed on a 1B shape 73 s.
+Wall time of the parts on one H200: target about 5 minutes (tokenising included; the draft LM 1.5 more),
+pipeline about 3 (regen 66 s, extract 8 s, vocab 2 s, train 77 s for 1,100 steps), bench with plain, chain
+and tree at T=0 and T=1 on 8 prompts about 5 (the HF peers add a few), the peer part about 10 (speculators
+trains for 8 minutes), extract_speed_reference plus profile about 4; train_speed's four cases 103 s,
+decode_speed 163 s, extract_speed on the 8B shape 31 s, regen_speed on a 1B shape 73 s.
 
 Parts
 - target:   trains the reference target (Llama, own BPE tokenizer, ChatML template) from scratch on the
@@ -49,6 +43,9 @@ Parts
             time and the costliest kernels.
 - peer:     benchmarks/peer_speculators.py on the pipeline's run: a drafter trained by vLLM's speculators
             on the same shards, vocabulary, split, shape and steps, both evaluated and benched the same way.
+- variant:  a second drafter trained by the run's own train stage with `--variant` options changed (default
+            `fc_norm=true,norm_output=true`: EAGLE 3.1) and benched on the same prompts.
+- step_cost: benchmarks/step_cost.py: 8B-shaped step costs (random weights) with the bench's tau projected.
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
 """
 
@@ -72,9 +69,9 @@ GPU = {
                    vocab_size=8192, seq_len=512, batch_size=96, lr=1.5e-3, warmup_steps=100, steps=1200,
                    corpus="stdlib+site-packages", corpus_mb=120.0, num_prompts=2500, num_eval=40,
                    device="cuda", compile=True, threads=16, max_positions=2048),
-    # 1,200 steps: about 3 minutes on the H200 (1,046 to 1,301 fitted in 180 s, with the GPU tests beside it or
-    # not; a wall budget made the target, and every figure after it, move between sessions: held-out loss
-    # 1.99 to 2.21). The draft LM keeps a wall budget, so that HF assisted generation's drafter gets the GPU
+    # 1,200 steps: about 3 minutes on an H200. A fixed step count, not a wall budget: in 180 s the same recipe
+    # makes 1,046 to 1,301 steps with the host's load, and the target, and every figure after it, moves with
+    # them (held-out loss 1.99 to 2.21). The draft LM keeps a wall budget, so that HF assisted generation's drafter gets the GPU
     # time the EAGLE-3 drafter gets: 1.25 minutes, about the wall time of its 1,100 training steps on the H200
     "draft_lm": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, minutes=1.25),
     "run": {
@@ -226,8 +223,8 @@ def run_extract_speed(work: Path, out: Path, smoke: bool) -> None:
 
 def run_extract_speed_reference(work: Path, out: Path, disk: bool = False) -> None:
     """extract vs the bare forward on the reference target, bf16 shards in RAM (and on disk)."""
-    # 96 batches (~3.5 s a repeat): the last shard's flush after the last forward (~0.13 s, once per run) weighed
-    # 13% in session 6's 24-batch measurement (0.86 s), far more than in any real extraction
+    # 96 batches (~3.5 s a repeat): the last shard's flush after the last forward (~0.13 s, once per run) weighs
+    # 13% in a 24-batch measurement (0.86 s), far more than in any real extraction
     shape = ["--target", str(work / "models" / "reference_target"), "--batch-size", "64", "--seq-len", "512", "--steps", "96",
              "--repeats", "2", "--dtypes", "bf16", "--no-tiny", "--no-quant"]
     _script("extract_speed.py", *shape, *RAM_SHARDS, "--out", str(out / "extract_speed_reference_ram.json"))
@@ -381,7 +378,8 @@ def main() -> int:
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
                         help="comma list of: target, pipeline, bench, variant, step_cost, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), extract_speed_reference (its reference target in RAM only), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
-    parser.add_argument("--out", default="benchmarks/results/reference", help="where the JSON figures go")
+    parser.add_argument("--out", default="runs/reference-results",
+                        help="where the JSON figures go (publish them by moving them into benchmarks/results/latest/)")
     parser.add_argument("--train-speed-budget", type=float, default=200, help="seconds of train_speed cases (later ones are skipped)")
     parser.add_argument("--bench-methods", default="", help="bench only these methods (comma list; default: all, HF peers included)")
     parser.add_argument("--bench-repeats", type=int, default=0,
