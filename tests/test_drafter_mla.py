@@ -53,7 +53,8 @@ def test_attention_equals_transformers_deepseek_v3(rope):
     ours, c = drafter.midlayer.self_attn, drafter.config
     hf_config = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=HEADS, num_key_value_heads=HEADS,
                                  q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=8,
-                                 qk_rope_head_dim=6, v_head_dim=10, rope_scaling=None if rope is not YARN else dict(rope),
+                                 qk_rope_head_dim=6, v_head_dim=10,
+                                 rope_scaling=None if rope is not YARN else dict(rope),
                                  rope_theta=10000.0, max_position_embeddings=64, rope_interleave=True,
                                  rms_norm_eps=1e-6, attention_bias=False)
     hf_config._attn_implementation = "eager"
@@ -105,7 +106,8 @@ def test_cached_steps_equal_one_full_forward(rope):
     assert past[0].shape == (1, HEADS, 3, 8 + 6) and past[1].shape == (1, HEADS, 3, 10)
     outs, all_logits = [out], [logits]
     for t in range(3, 6):
-        out, logits, (k, v) = drafter(hidden[:, t : t + 1], ids[:, t : t + 1], positions[:, t : t + 1], past, causal(1, t))
+        step = slice(t, t + 1)
+        out, logits, (k, v) = drafter(hidden[:, step], ids[:, step], positions[:, step], past, causal(1, t))
         past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         outs.append(out)
         all_logits.append(logits)
@@ -149,9 +151,11 @@ def test_save_and_load_keep_logits(tmp_path):
 
 def test_tensor_names_are_the_engines():
     state = mla_drafter().state_dict()
-    for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+    names = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    for name in names:
         assert f"midlayer.self_attn.{name}.weight" in state
-    assert {"midlayer.mlp.gate_proj.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight"} <= set(state)
+    layer = {"midlayer.mlp.gate_proj.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight"}
+    assert layer <= set(state)
     assert tuple(state["midlayer.self_attn.q_a_proj.weight"].shape) == (24, 2 * H)  # reads [norm(emb), norm(feature)]
     assert tuple(state["midlayer.self_attn.kv_a_proj_with_mqa.weight"].shape) == (20 + 6, 2 * H)
 
@@ -196,9 +200,11 @@ def test_export_import_round_trip_keeps_logits(tmp_path, fmt, variant):
     assert data["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and data["model_type"] == "kimi_k2"
     assert data["num_hidden_layers"] == 1 and data["tie_word_embeddings"] is False and data["q_lora_rank"] == 24
     deepseek = DeepseekV3Config.from_dict(data)  # the schema both engines parse it with
-    assert (deepseek.kv_lora_rank, deepseek.qk_nope_head_dim, deepseek.qk_rope_head_dim, deepseek.v_head_dim) == (20, 8, 6, 10)
+    dims = (deepseek.kv_lora_rank, deepseek.qk_nope_head_dim, deepseek.qk_rope_head_dim, deepseek.v_head_dim)
+    assert dims == (20, 8, 6, 10)
     assert deepseek.rope_parameters["rope_type"] == "yarn" and deepseek.rope_parameters["mscale_all_dim"] == 0.7
-    assert "midlayer.self_attn.kv_a_proj_with_mqa.weight" in summary["tensors"] and summary["max_logit_difference"] == 0.0
+    assert "midlayer.self_attn.kv_a_proj_with_mqa.weight" in summary["tensors"]
+    assert summary["max_logit_difference"] == 0.0
     assert data["fc_norm"] == bool(variant) and data["norm_output"] == bool(variant)
     assert ("fc_norm.2.weight" in summary["tensors"]) == bool(variant)
     back = import_checkpoint(tmp_path / fmt, from_format=fmt)
@@ -242,7 +248,8 @@ def tiny_deepseek_target(directory) -> str:
                                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
                                  topk_group=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                                  v_head_dim=12, max_position_embeddings=256, tie_word_embeddings=False,
-                                 rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
+                                 rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                               "original_max_position_embeddings": 128})
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_target_path() / name, directory / name)
@@ -254,9 +261,9 @@ def train_config(target: str, output, **overrides):
 
     from engines import PROMPTS
 
-    fields = dict(target=target, data=(str(PROMPTS),), output=str(output), draft_vocab_size=256, ttt_steps=2, max_steps=2,
-                  batch_size=2, max_length=48, val_fraction=0.0, log_every=1000, save_every=100000, device="cpu",
-                  dtype="fp32", drafter_arch="mla")
+    fields = dict(target=target, data=(str(PROMPTS),), output=str(output), draft_vocab_size=256, ttt_steps=2,
+                  max_steps=2, batch_size=2, max_length=48, val_fraction=0.0, log_every=1000, save_every=100000,
+                  device="cpu", dtype="fp32", drafter_arch="mla")
     return TrainConfig(**{**fields, **overrides})
 
 
