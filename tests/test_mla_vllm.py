@@ -71,3 +71,71 @@ def test_the_trained_drafter_is_mla_with_the_targets_dims(benched):
     assert config.drafter_arch == "mla"
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
             config.v_head_dim) == (64, 512, 32, 64, 32)  # engines.random_target's DeepSeek-V3
+
+
+# --- the engines' own loaders read every field the export writes ------------------------------
+ENGINE_SET = {"target_layer_count"}  # vLLM sets it on the config itself
+DEFAULTED = {"logit_scale", "num_aux_hidden_states", "use_aux_norm", "bias"}  # absent = 1.0 / from eagle_config / off
+ROPE = {"rope_parameters", "rope_scaling", "rope_theta"}  # transformers turns rope_theta + rope_scaling into parameters
+
+
+def config_reads(source: str) -> set[str]:
+    """Names a model file reads from a config object: `config.X`, `self.config.X`, getattr/hasattr(config, "X")."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", getattr(node.value, "attr", None)) == "config":
+            names.add(node.attr)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+              and getattr(node.args[0], "id", getattr(node.args[0], "attr", None)) == "config"
+              and isinstance(node.args[1], ast.Constant)):
+            names.add(node.args[1].value)
+    return names
+
+
+def exported_config(tmp_path: Path, fmt: str) -> dict:
+    import torch
+
+    from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+    from eaglekit.interop.convert import export_drafter
+
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                           vocab_size=64, draft_vocab_size=32, target_hidden_size=32, aux_layer_ids=(1, 2, 3),
+                           drafter_arch="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                           v_head_dim=8)
+    drafter = Eagle3Drafter(config)
+    drafter.set_vocab_mapping(torch.arange(32) * 2)
+    export_drafter(drafter, tmp_path / fmt, fmt)
+    return json.loads((tmp_path / fmt / "config.json").read_text())
+
+
+def test_vllm_loader_reads_only_fields_the_export_writes(tmp_path):
+    """Every config field vLLM's deepseek_eagle3.py reads is written explicitly (none left to DeepseekV3Config's
+    defaults, which are DeepSeek-V3's full-size values)."""
+    site = sorted(Path(engines.vllm_python()).parent.parent.glob("lib/python3*/site-packages"))
+    loader = site[0] / "vllm" / "model_executor" / "models" / "deepseek_eagle3.py" if site else None
+    if loader is None or not loader.is_file():
+        pytest.skip("vLLM's deepseek_eagle3.py is not in the vLLM venv's site-packages")
+    missing = config_reads(loader.read_text()) - ENGINE_SET - DEFAULTED - ROPE - set(exported_config(tmp_path, "vllm"))
+    assert not missing, f"vLLM reads {sorted(missing)}, which the export leaves to defaults"
+
+
+def test_sglang_loader_reads_only_fields_the_export_writes(tmp_path):
+    """The same for SGLang 0.5.23's kimi_k25_eagle3.py (from the cached wheel), whose checkpoint alias kimi_k2 it
+    registers itself."""
+    import os
+    import zipfile
+
+    cache = Path(os.environ.get("EAGLEKIT_TEST_WHEELS", "~/.cache/eaglekit-test-wheels")).expanduser()
+    wheels = sorted(cache.glob("sglang-0.5.23-*.whl"))
+    if not wheels:
+        pytest.skip(f"sglang 0.5.23's wheel is not in {cache} (tests/test_doctor_real_engines.py downloads it)")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        loader = wheel.read("sglang/srt/models/kimi_k25_eagle3.py").decode()
+        aliases = wheel.read("sglang/srt/utils/hf_transformers/common.py").decode()
+    assert "EntryClass = [Eagle3DeepseekV2ForCausalLM]" in loader and '_CONFIG_REGISTRY["kimi_k2"]' in aliases
+    data = exported_config(tmp_path, "sglang")
+    missing = config_reads(loader) - DEFAULTED - ROPE - {"eagle_aux_hidden_state_layer_ids"} - set(data)
+    assert not missing, f"SGLang reads {sorted(missing)}, which the export leaves to defaults"
+    assert data["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang's output-of-layer ids
