@@ -8,7 +8,8 @@ SGLang `srt/models/kimi_k25_eagle3.py`) from a DeepSeek-V3-schema config.json:
   model (`SpeculativeConfig.hf_config_override`).
 - the MLA dimensions `q_lora_rank` (SGLang raises without it), `kv_lora_rank`, `qk_nope_head_dim`,
   `qk_rope_head_dim`, `v_head_dim`; `num_hidden_layers: 1` (SGLang raises otherwise); `tie_word_embeddings: false`
-  (SGLang ties lm_head to the embedding when true); `rope_theta` / `rope_scaling` (YaRN keys as DeepSeek names them);
+  (SGLang ties lm_head to the embedding when true); `rope_theta` / `rope_scaling` (YaRN keys as DeepSeek names them),
+  `rope_interleave: true` (DeepSeek's pair layout; SGLang reads it, vLLM always uses it);
 - the EAGLE-3 keys of the Llama layout: `draft_vocab_size`, `target_hidden_size`, `eagle_config`, the top-level
   `eagle_aux_hidden_state_layer_ids` for vLLM, `norm_before_residual`, `fc_norm`, `norm_output`.
 
@@ -71,6 +72,7 @@ def config_fields(config: DrafterConfig, rope_theta: float, rope_scaling: dict[s
         "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
+        "rope_interleave": True,  # SGLang reads it (default true); vLLM's MLA always rotates interleaved pairs
         "attention_bias": False,
         "tie_word_embeddings": False,
         "fc_norm": config.fc_norm,
