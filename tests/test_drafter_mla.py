@@ -311,3 +311,24 @@ def test_speculative_greedy_equals_the_targets_with_an_mla_drafter(kind, backend
     for method in ("chain", "tree"):
         result = decoder.generate(prompt, 16, method=method, chain_length=3, depth=3, tree_top_k=2, total_tokens=6)
         assert result.tokens == plain, method
+
+
+def test_import_reads_a_published_style_layers_0_checkpoint(tmp_path):
+    """Published MLA drafters (and vLLM/SGLang loaders) use `layers.0.` for the midlayer: import reads it as is."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from eaglekit.interop.convert import export_drafter, import_checkpoint, probe_logits
+
+    drafter = mla_drafter()
+    export_drafter(drafter, tmp_path / "v", "vllm")
+    state = load_file(str(tmp_path / "v" / "model.safetensors"))
+    renamed = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+    save_file(renamed, str(tmp_path / "v" / "model.safetensors"))
+    data = json.loads((tmp_path / "v" / "config.json").read_text())
+    data.pop("eaglekit_export")  # as published: no eaglekit marker
+    (tmp_path / "v" / "config.json").write_text(json.dumps(data))
+    back = import_checkpoint(tmp_path / "v", from_format="vllm")
+    assert back.config.drafter_arch == "mla"
+    torch.testing.assert_close(probe_logits(back), probe_logits(drafter), rtol=0, atol=0)

@@ -102,3 +102,12 @@ def tensor_shapes(config: DrafterConfig, prefix: str) -> dict[str, tuple[int, ..
         "o_proj": (h, heads * config.v_head_dim),
     }
     return {f"{prefix}self_attn.{name}.weight": shape for name, shape in shapes.items()}
+
+
+def engine_names(state: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """An MLA checkpoint's tensors under `midlayer.` (both engines also load the `layers.0.` prefix, which
+    published drafters use); other checkpoints unchanged."""
+    if not is_mla_checkpoint(data):
+        return state
+    prefix = "layers.0."
+    return {f"midlayer.{name[len(prefix):]}" if name.startswith(prefix) else name: tensor for name, tensor in state.items()}
