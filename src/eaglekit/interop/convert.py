@@ -218,7 +218,8 @@ def import_checkpoint(source: str | Path, from_format: str = "auto", target_num_
     if aux_layer_ids:
         config = DrafterConfig.from_dict({**config.to_dict(), "aux_layer_ids": list(aux_layer_ids),
                                           "aux_layer_convention": INPUT_OF_LAYER})
-    state = formats.from_checkpoint_state(formats.read_weights(source), "speculators" if layout == "speculators" else "vllm")
+    weights = mla_format.engine_names(formats.read_weights(source), data)  # an MLA drafter's layers.0. -> midlayer.
+    state = formats.from_checkpoint_state(weights, "speculators" if layout == "speculators" else "vllm")
     return _build(config, state, source)
 
 
