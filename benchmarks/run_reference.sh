@@ -2,14 +2,16 @@
 # The reference benchmark (benchmarks/run_all.py) as one background job on a GPU host. The job keeps running
 # when the shell that started it closes; its figures, logs and reports collect in runs/reference-results/.
 #
-#   bash benchmarks/run_reference.sh start     # start the job (nohup; pid in runs/reference.pid, log in runs/reference.log)
+#   bash benchmarks/run_reference.sh start     # start the job (nohup; pid in runs/reference.pid, log in
+#                                              # runs/reference.log)
 #   bash benchmarks/run_reference.sh wait      # follow the log until the job ends, then print its tail
 #   bash benchmarks/run_reference.sh collect   # copy the run's reports into the results and pack them into
 #                                              # runs/reference-results.tgz (also while the job runs)
 #
-# The job, about 25 minutes on one H200: tests/test_decode_gpu.py (beside the target's build) -> run_all target
-# -> pipeline, bench, summary -> step_cost -> variant -> the speculators peer (when PEER_WHEELS names a folder of its wheels:
-# benchmarks/peer_speculators.py lists them) -> extract_speed_reference (shards in RAM), profile, summary.
+# The job, about 30 minutes on one H200: tests/test_decode_gpu.py (beside the target's build) -> run_all target
+# -> pipeline, bench, summary -> step_cost -> variant -> the speculators peer (when PEER_WHEELS names a folder
+# of its wheels: benchmarks/peer_speculators.py lists them) -> extract_speed_reference (shards in RAM), profile,
+# summary.
 # Environment:
 #   RUN_ALL_FLAGS         flags for every run_all part, e.g. "--no-draft-lm --bench-methods plain,chain,tree" to
 #                         leave out the slow HF peers (split on spaces: no quoted values inside)
@@ -43,8 +45,8 @@ job() {
         [ -d "$WHEELS" ] || { log "peer skipped: no wheels in $WHEELS"; return 0; }
         "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target runs/peer-site \
             "$WHEELS"/*.whl > "$RESULTS/peer.log" 2>&1
-        EAGLEKIT_PEER_SITE="$PWD/runs/peer-site" "$PYTHON" benchmarks/run_all.py --parts peer,summary $FLAGS --work "$WORK" \
-            --out "$RESULTS" >> "$RESULTS/peer.log" 2>&1
+        EAGLEKIT_PEER_SITE="$PWD/runs/peer-site" "$PYTHON" benchmarks/run_all.py --parts peer,summary $FLAGS \
+            --work "$WORK" --out "$RESULTS" >> "$RESULTS/peer.log" 2>&1
         log "peer rc=$?"
     }
     mkdir -p "$RESULTS"
@@ -77,8 +79,8 @@ collect() {
         [ -f "$run/$f" ] && cp "$run/$f" "$into/"
     done
     [ -d "$run/bench" ] && cp -r "$run/bench" "$into/"
-    [ -f "$run/peer_speculators/peer/speculators_train.log" ] && tail -c 200000 "$run/peer_speculators/peer/speculators_train.log" \
-        > "$RESULTS/speculators_train.log"
+    local peer_log="$run/peer_speculators/peer/speculators_train.log"
+    [ -f "$peer_log" ] && tail -c 200000 "$peer_log" > "$RESULTS/speculators_train.log"
     for m in reference_target draft_lm; do
         [ -f "$WORK/models/$m/training_report.json" ] && cp "$WORK/models/$m/training_report.json" "$RESULTS/$m.json"
     done
