@@ -34,7 +34,7 @@ $(VLLM_VENV)/.eaglekit-stamp:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_PKG)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" "$(VLLM_PKG)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y $(ENGINE_DROP)
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
@@ -45,7 +45,9 @@ $(SPECULATORS_VENV)/.eaglekit-stamp:
 	test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
 	$(SPECULATORS_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(SPECULATORS_PKG)"
+	# torch named again: speculators wants torchvision/torchaudio unpinned, whose newest releases would pull a
+	# newer (CUDA, multi-GB) torch; with the pin pip picks the releases built for this torch
+	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(TORCH)" "$(SPECULATORS_PKG)"
 	$(SPECULATORS_VENV)/bin/python -m pip uninstall -q -y $(ENGINE_DROP)
 	$(SPECULATORS_VENV)/bin/python -c "import speculators, importlib.metadata as m; print('speculators', m.version('speculators'))"
 	touch $@
