@@ -63,6 +63,54 @@ def test_vllm_serves_the_mla_drafter_with_eaglekits_acceptance(benched):
     assert eagle["outputs_equal_plain"] == 1.0  # speculative greedy kept vLLM's own greedy output
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def test_vllm_applies_yarn_to_the_mla_drafter_as_eaglekit_does(benched, tmp_path):
+    """The trained drafter with YaRN RoPE (frequencies, cos/sin magnitude mscale(f, 1)/mscale(f, 0.8) and the softmax
+    factor mscale(f, 0.8)^2 all differ from plain RoPE): vLLM's acceptance per position is still eaglekit's."""
+    import dataclasses
+
+    import torch
+
+    from eaglekit.data import prompt_messages, read_conversations
+    from eaglekit.decode.setup import prompt_ids
+    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.interop import vllm_engine as ve
+    from eaglekit.interop.vllm_bench import export_for_vllm, model_length
+    from eaglekit.target.loading import load_tokenizer
+
+    _, _, drafter_dir = benched
+    trained = Eagle3Drafter.from_pretrained(drafter_dir)
+    drafter = Eagle3Drafter(dataclasses.replace(trained.config, rope_parameters=dict(YARN)))
+    drafter.load_state_dict(trained.state_dict())
+    drafter.save_pretrained(tmp_path / "yarn")
+    target = trained.config.target_name_or_path
+    config = load_config(bench.Config, None, [
+        f"prompts={engines.EVAL_PROMPTS}", f"target={target}", f"drafter={tmp_path / 'yarn'}", "methods=chain",
+        f"chain_length={DRAFTS}", "temperatures=0", f"num_prompts={NUM_PROMPTS}", f"max_new_tokens={NEW_TOKENS}",
+        "repeats=1", "warmup=0", "device=cpu", f"output={tmp_path / 'bench'}"])
+    chain = bench.run(config)["rows"][0]
+    tokenizer = load_tokenizer(target)
+    prompts = [prompt_ids(tokenizer, prompt_messages(c))
+               for c in read_conversations(str(engines.EVAL_PROMPTS))[:NUM_PROMPTS]]
+    engine = ve.find_engine(engines.vllm_python())
+    export = export_for_vllm(str(tmp_path / "yarn"), tmp_path / "yarn-vllm", DRAFTS)
+    assert json.loads((export / "config.json").read_text())["rope_scaling"]["mscale_all_dim"] == 0.8
+    run = {"name": "yarn", "model": target, "prompts": prompts, "max_new_tokens": NEW_TOKENS, "warmup": False,
+           "engine_args": ve.engine_args(model_length(prompts, NEW_TOKENS, DRAFTS), target, engine.device_type),
+           "speculative_config": ve.speculative_config(export, DRAFTS, engine.device_type)}
+    served = ve.run_worker(engine, {"kind": "generate", "runs": [run]}, tmp_path / "vllm", "yarn")["runs"][0]
+    assert "error" not in served, served.get("error")
+    figures = ve.acceptance(served["counters"])
+    from eaglekit.interop.convert import probe_logits
+
+    assert not torch.allclose(probe_logits(drafter), probe_logits(trained), atol=1e-3)  # YaRN changed the drafter
+    assert figures["acceptance_per_position"] == pytest.approx(chain["acceptance_per_position"], abs=0.01)
+    assert figures["tau"] == pytest.approx(chain["tau"], abs=0.03)
+
+
 def test_the_trained_drafter_is_mla_with_the_targets_dims(benched):
     from eaglekit.draft.model import Eagle3Drafter
 
