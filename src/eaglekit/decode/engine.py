@@ -32,34 +32,9 @@ from eaglekit.decode.tree import (
     DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier, sample_candidates,
 )
 from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_chain, verify_sampled_tree
-from eaglekit.errors import EaglekitError
+from eaglekit.decode_options import METHODS, DecodeOptions  # noqa: F401 (re-exported: eaglekit.decode.engine's API)
 
-METHODS = ("tree", "chain", "plain")
 SYNC_EVERY = 16  # plain decoding: steps between host checks for EOS
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    method: str = "tree"  # tree | chain | plain
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # sampling filter on the target (and chain drafts); 0 = off
-    top_p: float = 1.0
-    depth: int = 6  # tree: draft levels
-    tree_top_k: int = 8  # tree: children per expanded node, and nodes expanded per level
-    total_tokens: int = 48  # tree: draft nodes verified per step (root excluded)
-    chain_length: int = 4  # chain: drafts per step
-    eos_token_ids: tuple[int, ...] = ()
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise EaglekitError(f"unknown decode method '{self.method}'; use one of {', '.join(METHODS)}")
-        if min(self.depth, self.tree_top_k, self.total_tokens, self.chain_length) < 1:
-            raise EaglekitError("depth, tree_top_k, total_tokens and chain_length must all be >= 1")
-
-    @property
-    def draft_depth(self) -> int:
-        return self.chain_length if self.method == "chain" else self.depth
 
 
 @dataclass

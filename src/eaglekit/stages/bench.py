@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eaglekit.config import option, save_resolved, to_dict
-from eaglekit.decode.engine import DecodeOptions
+from eaglekit.decode_options import DecodeOptions
 from eaglekit.errors import EaglekitError
 
 if TYPE_CHECKING:

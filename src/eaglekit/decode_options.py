@@ -1,0 +1,37 @@
+"""The options of one speculative decode: one frozen dataclass, the single source of their defaults.
+
+`eaglekit.decode` (the decoder), and the `generate`, `bench` and `serve` stages read it. A module of its own,
+outside the torch-importing `eaglekit.decode` package, so that those stages' `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglekit.errors import EaglekitError
+
+METHODS = ("tree", "chain", "plain")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    method: str = "tree"  # tree | chain | plain
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # sampling filter on the target (and chain drafts); 0 = off
+    top_p: float = 1.0
+    depth: int = 6  # tree: draft levels
+    tree_top_k: int = 8  # tree: children per expanded node, and nodes expanded per level
+    total_tokens: int = 48  # tree: draft nodes verified per step (root excluded)
+    chain_length: int = 4  # chain: drafts per step
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise EaglekitError(f"unknown decode method '{self.method}'; use one of {', '.join(METHODS)}")
+        if min(self.depth, self.tree_top_k, self.total_tokens, self.chain_length) < 1:
+            raise EaglekitError("depth, tree_top_k, total_tokens and chain_length must all be >= 1")
+
+    @property
+    def draft_depth(self) -> int:
+        return self.chain_length if self.method == "chain" else self.depth
