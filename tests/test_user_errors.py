@@ -362,6 +362,7 @@ def test_report_explains_its_numbers_and_flags_a_drafter_that_learned_nothing(tm
     text = write_report(out).path.read_text()
     assert "tau = tokens produced per target forward" in text
     assert "0.84x is no verdict on the drafter" in text and "1 + 3 x 26% = 1.8 target steps" in text
+    assert "tau / speed-up = 1.14 / 0.84 = 1.4 plain steps per verification" in text
     assert "sum over the 3 draft positions of 0.8^k" in text
     assert "this drafter learned (next to) nothing" in text
     assert "validation accuracy at draft position 1 is 0.000" in text

@@ -75,12 +75,15 @@ def speedup_note(numbers: dict[str, Any], bench: dict[str, Any], target: int | N
         return text + "; on a GPU a step this small is bound by kernel launches, not by the model's size."
     config, method = bench.get("config") or {}, numbers.get("method", "tree")
     steps = int(config.get("chain_length" if method == "chain" else "depth") or 0)
-    even = 1 + steps * share  # target-step costs of one verification with its drafting steps
-    cost = (f" a {method} of {steps} drafting steps costs 1 + {steps} x {share:.0%} = {even:.1f} target steps per "
-            f"verification, so tau must pass {even:.1f} just to break even;") if steps else ""
-    return (text + f". On {where}, where time follows parameter counts,{cost} speculative decoding pays when the "
-            "target is large beside its drafter (an 8B target is about 18x its drafter) and memory-bound (a GPU). "
-            "Judge this drafter by tau.")
+    even = 1 + steps * share  # target-step costs of one verification with its drafting steps, weights alone
+    cost = (f" a {method} of {steps} drafting steps costs at least 1 + {steps} x {share:.0%} = {even:.1f} target steps "
+            f"per verification, so tau must pass {even:.1f} just to break even;") if steps else ""
+    tau = numbers.get("tau")
+    measured = (f" Measured here: tau / speed-up = {tau:.2f} / {speedup:.2f} = {tau / speedup:.1f} plain steps per "
+                "verification (drafting, verifying and their per-step overhead).") if tau and speedup > 0 else ""
+    return (text + f". On {where}, where time follows the weights each step reads,{cost} speculative decoding pays "
+            "when the target is large beside its drafter (an 8B target is about 18x its drafter) and memory-bound "
+            f"(a GPU).{measured} Judge this drafter by tau.")
 
 
 def learned_nothing(numbers: dict[str, Any]) -> str | None:
