@@ -309,7 +309,7 @@ class Trainer:
         if bar is not None:
             bar.set_postfix({"val_loss": f"{metrics['loss']:.3f}", "val_acc@1": f"{metrics['acc_k'][0]:.3f}",
                              "tau": f"{metrics['tau']:.2f}"})
-        if self.d.main:
+        if self.d.main and (bar is None or bar.disable):  # a visible bar shows them in its postfix
             log.info("validation at step %d: loss %.3f, acc@1 %.3f, estimated tau %.2f", self.position.step,
                      metrics["loss"], metrics["acc_k"][0], metrics["tau"])
         self._write_metrics(metrics)
