@@ -366,3 +366,14 @@ def test_report_explains_its_numbers_and_flags_a_drafter_that_learned_nothing(tm
     assert "sum over the 3 draft positions of 0.8^k" in text
     assert "this drafter learned (next to) nothing" in text
     assert "validation accuracy at draft position 1 is 0.000" in text
+
+
+def test_train_warns_when_no_position_has_a_loss(chat_target, data, tmp_path, caplog):
+    from eaglekit.config import load_config
+    from eaglekit.stages import train
+
+    overrides = {"target": chat_target, "data": [str(data)], "output": str(tmp_path / "t"), "max_steps": 1,
+                 "batch_size": 4, "ttt_steps": 1, "draft_vocab_size": 1, "max_length": 64}
+    with caplog.at_level(logging.WARNING):
+        train.run(load_config(train.Config, overrides=overrides))
+    assert "has no loss to learn from" in caplog.text and "raise draft_vocab_size" in caplog.text

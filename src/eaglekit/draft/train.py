@@ -267,6 +267,11 @@ class Trainer:
         pos = self.position
         metrics.update(step=pos.step, epoch=pos.epoch, split="train", lr=self.scheduler.get_last_lr()[0],
                        tokens_per_s=metrics["batch_tokens"] / max(time.perf_counter() - started, 1e-9))
+        if metrics["loss"] == 0.0 and metrics["tokens"] and not getattr(self, "_warned_no_loss", False):
+            self._warned_no_loss = True  # soft cross-entropy is never exactly 0 over counted positions
+            log.warning("step %d has no loss to learn from: at none of its %d assistant positions is the target's "
+                        "prediction in the %d-id draft vocabulary; raise draft_vocab_size (or vocab size=)", pos.step,
+                        metrics["tokens"], self.drafter.config.draft_vocab_size)
         bar.update(1)
         bar.set_postfix({"loss": f"{metrics['loss']:.3f}", "acc@1": f"{metrics['acc_k'][0]:.3f}",
                          "tok/s": f"{metrics['tokens_per_s']:.0f}", "lr": f"{metrics['lr']:.2e}"})
