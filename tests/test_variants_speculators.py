@@ -78,7 +78,9 @@ def speculators_checkpoint(trained: str, workdir) -> tuple[str, dict]:
 def trained(tmp_path_factory) -> str:
     engines.vllm_python(), engines.speculators_python()  # skip before any work when a venv is missing
     root = tmp_path_factory.mktemp("speculators_variant")
-    answers = engines.own_answers("tiny", root / "regen", records=32, new_tokens=40)
+    from test_variants_vllm import shared_answers
+
+    answers = shared_answers(tmp_path_factory)
     from eaglekit.draft.train import train
     from eaglekit.train_config import TrainConfig
 

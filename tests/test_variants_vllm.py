@@ -27,10 +27,20 @@ VARIANTS = {  # fc_norm and norm_output run together (EAGLE 3.1): a slip in eith
 NUM_PROMPTS, NEW_TOKENS, CHAIN = 4, 32, 3
 
 
+def shared_answers(tmp_path_factory) -> str:
+    """The tiny target's own answers, generated once per test session (test_variants_speculators.py reads them too)."""
+    from eaglekit.stages import regen
+
+    directory = tmp_path_factory.getbasetemp() / "variants_regen"
+    if (directory / "manifest.json").is_file():
+        return str(directory / regen.OUTPUT_FILE)
+    return engines.own_answers("tiny", directory, records=32, new_tokens=40)
+
+
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory) -> str:
     engines.vllm_python()  # skip before any work when vLLM's venv is missing
-    return engines.own_answers("tiny", tmp_path_factory.mktemp("variants_regen"), records=32, new_tokens=40)
+    return shared_answers(tmp_path_factory)
 
 
 def train_variant(answers: str, output, flags: dict) -> str:
