@@ -129,10 +129,12 @@ KIMI_VL_VISION = {"patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_widt
                   "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2]}
 
 
-def kimi_vl_wrapper(language_model: Path, directory: Path) -> str:
+def kimi_vl_wrapper(language_model: Path, directory: Path, image_token_index: bool = False) -> str:
     """A KimiVLForConditionalGeneration checkpoint (vLLM's Moonshot wrapper) holding `language_model` (a DeepSeek-V3
     checkpoint) by composition: text_config = its config, weights under `language_model.`, a tiny MoonViT config.
-    The vision tower gets no weights: vLLM runs it as its language model (language_model_only, text prompts)."""
+    The vision tower gets no weights: vLLM runs it as its language model (language_model_only, text prompts).
+    Kimi-VL's config names its placeholder media_placeholder_token_id; `image_token_index` adds the name vLLM
+    0.32's EAGLE proposer reads (without it, loading a drafter fails before vLLM's EAGLE-3 check)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -141,7 +143,8 @@ def kimi_vl_wrapper(language_model: Path, directory: Path) -> str:
     text = json.loads((language_model / "config.json").read_text())
     config = {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl", "text_config": text,
               "vision_config": KIMI_VL_VISION, "media_placeholder_token_id": 4095, "pad_token_id": 0,
-              "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "float32", "tie_word_embeddings": False}
+              "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "float32", "tie_word_embeddings": False,
+              **({"image_token_index": 4095} if image_token_index else {})}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     state = load_file(str(language_model / "model.safetensors"))
     save_file({f"language_model.{k}": v for k, v in state.items()}, str(directory / "model.safetensors"),

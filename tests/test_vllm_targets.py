@@ -79,8 +79,9 @@ def served(engine, tmp_path_factory) -> dict[str, Served]:
     root = tmp_path_factory.mktemp("vllm_targets")
     found = {kind: prepare(kind, root) for kind in ("qwen3", "deepseek_v3")}
     deepseek = found["deepseek_v3"]  # the wrapper holds its weights: eaglekit's bench on it is the wrapper's
-    wrapper = engines.kimi_vl_wrapper(Path(deepseek.target), root / "kimi_vl")
-    found["kimi_vl"] = Served(wrapper, deepseek.drafter, deepseek.export, deepseek.bench_row)
+    for name, indexed in (("kimi_vl", False), ("kimi_vl_indexed", True)):
+        wrapper = engines.kimi_vl_wrapper(Path(deepseek.target), root / name, image_token_index=indexed)
+        found[name] = Served(wrapper, deepseek.drafter, deepseek.export, deepseek.bench_row)
     return found
 
 
@@ -101,11 +102,14 @@ def assert_equal_acceptance(run: dict, row: dict) -> None:
 def test_vllm_acceptance_equals_eaglekit_and_the_wrapper_is_refused(engine, served, tmp_path):
     prompts = prompt_ids()
     # (the DeepSeek-V3 target itself with its MLA drafter: tests/test_mla_vllm.py)
-    runs = [job_run(name, served[name], engine, prompts) for name in ("qwen3", "kimi_vl")]
+    runs = [job_run(name, served[name], engine, prompts) for name in ("qwen3", "kimi_vl_indexed", "kimi_vl")]
     result = ve.run_worker(engine, {"kind": "generate", "runs": runs}, tmp_path, "targets")
     by_name = {r["name"]: r for r in result["runs"]}
     assert_equal_acceptance(by_name["qwen3"], served["qwen3"].bench_row)
-    assert "does not support EAGLE3" in by_name["kimi_vl"].get("error", ""), by_name["kimi_vl"]
+    refused = by_name["kimi_vl_indexed"].get("error", "")
+    assert "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested" in refused, refused
+    # Kimi-VL's own config (no image_token_index): vLLM 0.32 fails even earlier, in its EAGLE proposer
+    assert "no attribute 'image_token_index'" in by_name["kimi_vl"].get("error", ""), by_name["kimi_vl"]
 
 
 def vllm_package_dir(engine: ve.Engine) -> str:

@@ -36,12 +36,24 @@ from vllm.model_executor.models.interfaces import SupportsEagle3
 from {module} import {wrapper} as _Wrapper
 
 GETTERS = {getters!r}
+# vLLM's EAGLE proposer reads `image_token_index` from a multimodal target's config when it loads the drafter
+# (before any EAGLE-3 check); wrappers that name their image placeholder otherwise get it under that name too
+PLACEHOLDER_NAMES = ("image_token_id", "media_placeholder_token_id")
 
 
 class {name}(_Wrapper, SupportsEagle3):
     """{wrapper} + SupportsEagle3: both interface methods forward to self.language_model."""
 
     supports_eagle3 = True
+
+    def __init__(self, *, vllm_config, prefix: str = ""):  # the signature vLLM inspects to call models
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config = getattr(self, "config", None)
+        if config is not None and not hasattr(config, "image_token_index"):
+            for placeholder in PLACEHOLDER_NAMES:
+                if hasattr(config, placeholder):
+                    config.image_token_index = getattr(config, placeholder)
+                    break
 
     def set_aux_hidden_state_layers(self, layers):
         self.language_model.set_aux_hidden_state_layers(layers)

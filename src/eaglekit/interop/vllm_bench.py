@@ -24,6 +24,9 @@ from eaglekit.interop import vllm_engine as ve
 log = logging.getLogger(__name__)
 
 PLAIN, EAGLE3 = "vllm_plain", "vllm_eagle3"
+# vLLM refusals that `eaglekit doctor --fix`'s plugin fixes: a wrapper without SupportsEagle3, and (vLLM 0.32) a
+# wrapper whose config names its image placeholder otherwise than the `image_token_index` its EAGLE proposer reads
+PLUGIN_FIXES = ("does not support EAGLE3", "has no attribute 'image_token_index'")
 
 
 def export_for_vllm(drafter_dir: str, output: Path, speculative_tokens: int) -> Path:
@@ -46,7 +49,7 @@ def model_length(prompts: list[list[int]], max_new_tokens: int, speculative_toke
 def engine_error(run: dict[str, Any], engine: ve.Engine, target: str, log_path: Path) -> EaglekitError:
     """A vLLM refusal as one line: the engine's own words, and the fix."""
     text = run["error"]
-    if "does not support EAGLE3" in text:
+    if any(sign in text for sign in PLUGIN_FIXES):
         fix = (f"this vLLM's class for the target lacks EAGLE-3 support: run `eaglekit doctor --engine vllm --target {target} "
                "--fix` and pip-install the plugin it writes into vLLM's environment")
     else:
