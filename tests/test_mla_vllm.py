@@ -63,13 +63,17 @@ def test_vllm_serves_the_mla_drafter_with_eaglekits_acceptance(benched):
     assert eagle["outputs_equal_plain"] == 1.0  # speculative greedy kept vLLM's own greedy output
 
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+# far from plain RoPE (most frequencies interpolated 8x); original * factor = 256 covers every position vLLM sees here
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.3}
 
 
 def test_vllm_applies_yarn_to_the_mla_drafter_as_eaglekit_does(benched, tmp_path):
-    """The trained drafter with YaRN RoPE (frequencies, cos/sin magnitude mscale(f, 1)/mscale(f, 0.8) and the softmax
-    factor mscale(f, 0.8)^2 all differ from plain RoPE): vLLM's acceptance per position is still eaglekit's."""
+    """The trained drafter with YaRN RoPE (frequencies, cos/sin magnitude mscale(f, 1)/mscale(f, 0.3), softmax factor
+    mscale(f, 0.3)^2): vLLM loads the exported rope_scaling and its acceptance per position is still eaglekit's.
+    A weak check of the YaRN arithmetic itself: on this mostly-bigram target the drafts barely depend on positions
+    (measured: the same acceptance as with plain RoPE); test_drafter_mla.py checks the arithmetic against
+    transformers' DeepseekV3Attention."""
     import dataclasses
 
     import torch
@@ -97,7 +101,7 @@ def test_vllm_applies_yarn_to_the_mla_drafter_as_eaglekit_does(benched, tmp_path
                for c in read_conversations(str(engines.EVAL_PROMPTS))[:NUM_PROMPTS]]
     engine = ve.find_engine(engines.vllm_python())
     export = export_for_vllm(str(tmp_path / "yarn"), tmp_path / "yarn-vllm", DRAFTS)
-    assert json.loads((export / "config.json").read_text())["rope_scaling"]["mscale_all_dim"] == 0.8
+    assert json.loads((export / "config.json").read_text())["rope_scaling"]["mscale_all_dim"] == 0.3
     run = {"name": "yarn", "model": target, "prompts": prompts, "max_new_tokens": NEW_TOKENS, "warmup": False,
            "engine_args": ve.engine_args(model_length(prompts, NEW_TOKENS, DRAFTS), target, engine.device_type),
            "speculative_config": ve.speculative_config(export, DRAFTS, engine.device_type)}
