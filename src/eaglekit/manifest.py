@@ -102,7 +102,9 @@ def read_manifest(directory: str | Path) -> dict[str, Any] | None:
 
 
 OWNER_FILE = ".eaglekit-stage"  # names the stage that writes into a directory, from its start (the manifest comes last)
-BOOKKEEPING = {OWNER_FILE, ".run-key", ".run-done"}  # eaglekit's own markers: they do not make a directory "not empty"
+# eaglekit run's own files in a step folder (markers, the resolved config a torchrun launch reads): they do not
+# make a directory "not empty"
+BOOKKEEPING = {OWNER_FILE, ".run-key", ".run-done", "launch.yaml"}
 
 
 def directory_owner(directory: str | Path) -> str | None:
