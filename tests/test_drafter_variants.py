@@ -143,7 +143,7 @@ def llama():
     return target, out[0, len(PROMPT):].tolist()
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", ["norm_before_fc", "eagle3.1"])  # eagle3.1 = fc_norm and norm_output together
 def test_decode_static_equals_eager_per_variant(name, llama):
     target, reference = llama
     drafter = variant_drafter(target, **VARIANTS[name])
@@ -273,3 +273,23 @@ def test_train_options_build_and_keep_the_variant(chat_target, chat_data, tmp_pa
         stage.run(options("bad", init_from=str(tmp_path / "v31"), norm_before_fc=True))
     with pytest.raises(EaglekitError, match="mutually exclusive"):
         stage.run(options("both", fc_norm=True, norm_before_fc=True))
+
+
+def test_compiled_fused_step_traces_eagle3_1(llama, monkeypatch):
+    """The fused step with an EAGLE 3.1 drafter traces as one whole graph (dynamo, aot_eager on the CPU) and gives
+    the eager reference's tokens and acceptance."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from eaglekit.decode import Decoder, graphs
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(graphs, "COMPILE_OPTIONS", {"backend": counter, "fullgraph": True, "dynamic": False})
+    monkeypatch.setattr(graphs, "PREFILL_OPTIONS", {"backend": "aot_eager", "fullgraph": True, "dynamic": None})
+    target, reference = llama
+    drafter = variant_drafter(target, fc_norm=True, norm_output=True)
+    options = dict(method="tree", depth=3, tree_top_k=3, total_tokens=8)
+    fast = Decoder(target, drafter, backend="static", compile=True, max_length=128).generate(PROMPT, 16, **options)
+    eager = generate(target, drafter, PROMPT, 16, backend="eager", **options)
+    assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted) and fast.tokens == reference
+    assert counter.frame_count == 1  # the whole speculative step, norms included, is one graph
