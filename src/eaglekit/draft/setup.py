@@ -47,6 +47,9 @@ def _check(config: Any, world: int) -> None:
     if config.init_std > 0 and config.init_from:
         raise EaglekitError(f"init_std={config.init_std} initialises a fresh drafter, but init_from={config.init_from} brings its "
                             "own weights: drop one of them")
+    if config.fc_norm and config.norm_before_fc:
+        raise EaglekitError("fc_norm and norm_before_fc are mutually exclusive (one norm per aux state, or one over their "
+                            "concatenation): set one of them to false")
     if config.resume is False and (Path(config.output) / "checkpoints" / "latest.json").is_file():
         raise EaglekitError(f"{config.output} holds checkpoints of an earlier run: pass resume=true to continue it, or use a new output")
 
