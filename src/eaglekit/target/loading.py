@@ -63,8 +63,8 @@ def _check_cached(name: str) -> None:
 
 
 def resolve_target(name_or_path: str) -> str:
-    """'tiny' -> the built-in target's directory; a path must exist; anything else is a hub id (checked against
-    the local cache in offline mode)."""
+    """'tiny' -> the built-in target's directory; a path must exist (a name that looks local and does not is an
+    error at once); anything else is a hub id (the loaders check it against the cache in offline mode)."""
     if not name_or_path:
         raise EaglekitError("no target given: pass target=PATH (a model directory or hub id), or target=tiny")
     if name_or_path == TINY_TARGET:
@@ -79,16 +79,22 @@ def resolve_target(name_or_path: str) -> str:
     if looks_local(name_or_path):
         raise missing_path_error(name_or_path, "target", "give an existing model directory (a folder with config.json), "
                                  "a hub id such as org/name, or target=tiny")
-    if offline_mode():
-        _check_cached(name_or_path)
     return name_or_path
+
+
+def _loadable(name_or_path: str) -> str:
+    """`resolve_target`, and in offline mode a hub id must be in the cache: what the loaders below read from."""
+    resolved = resolve_target(name_or_path)
+    if resolved == name_or_path and not Path(resolved).expanduser().exists() and offline_mode():
+        _check_cached(name_or_path)
+    return resolved
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(resolve_target(name_or_path), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(_loadable(name_or_path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise EaglekitError(f"cannot load the tokenizer of {name_or_path}: {error}") from None
 
@@ -99,7 +105,7 @@ def load_target_config(name_or_path: str, trust_remote_code: bool = False) -> An
 
     from transformers import AutoConfig
 
-    path = resolve_target(name_or_path)
+    path = _loadable(name_or_path)
     config_file = Path(path) / "config.json"
     if not trust_remote_code and config_file.is_file():
         try:
@@ -132,7 +138,7 @@ def load_target(
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    path = resolve_target(name_or_path)
+    path = _loadable(name_or_path)
     config = load_target_config(name_or_path, trust_remote_code)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if device_map:
