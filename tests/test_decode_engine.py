@@ -342,3 +342,16 @@ def test_eager_gpu_attention_path_equals_grouped_query_sdpa():
     expected = attention(q, k, v, mask, 0.3)  # CPU: SDPA with enable_gqa
     assert torch.allclose(attention_without_cudnn(q, k, v, mask, 0.3), expected, atol=1e-6)
     assert not torch.allclose(attention_without_cudnn(q, k.roll(1, dims=1), v.roll(1, dims=1), mask, 0.3), expected, atol=1e-3)
+
+
+def test_decoder_chooses_the_fused_step_by_the_drafters_capability():
+    """backend=static takes the fused step for an Eagle3Drafter with a Llama midlayer, and the eager drafter with the
+    step-by-step loop for any other object keeping the drafter contract (chosen up front, not by probing attributes)."""
+    from eaglekit.decode import static_drafter_supported
+
+    target = tiny_target("llama")
+    oracle = OracleDrafter(PROMPT, target.config.num_hidden_layers)
+    assert static_drafter_supported(random_drafter(target)) and not static_drafter_supported(oracle)
+    assert Decoder(target, random_drafter(target), backend="static").static_drafter
+    assert not Decoder(target, oracle, backend="static").static_drafter
+    assert not Decoder(target, random_drafter(target), backend="eager").static_drafter
