@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from eaglekit.draft.model import MIDLAYERS, DraftDecoderLayer, DrafterConfig, attend
@@ -180,7 +181,9 @@ class MLADecoderLayer(DraftDecoderLayer):
         self.hidden_norm = LlamaRMSNorm(h, eps=eps)
         self.self_attn = MLAAttention(config)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
-        self.mlp = LlamaMLP(config.llama_config())
+        # the SwiGLU alone: a LlamaConfig of the MLP's fields (the full one would re-validate the MLA RoPE settings)
+        self.mlp = LlamaMLP(LlamaConfig(hidden_size=h, intermediate_size=config.intermediate_size,
+                                        hidden_act=config.hidden_act))
 
     @staticmethod
     def rotary_embedding(config: DrafterConfig) -> nn.Module:
