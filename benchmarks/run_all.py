@@ -189,8 +189,9 @@ def run_step_cost(work: Path, out: Path, smoke: bool) -> None:
     """8B-shaped step costs (random weights), with the reference target's measured tau projected onto them."""
     bench = work / "run" / "bench" / "bench.json"
     flags = ["--smoke", "--shapes", "chain4,tree48", "--repeats", "1"] if smoke else []
+    # ~10 minutes on an H200, most of it compiling the 8B-shaped graphs (one per step shape, and the parts)
     _script("step_cost.py", *flags, "--output", str(out / "step_cost_8b.json"),
-            *(["--reference-bench", str(bench)] if bench.is_file() else []))
+            *(["--reference-bench", str(bench)] if bench.is_file() else []), timeout=1800)
 
 
 def run_train_speed(out: Path, smoke: bool, budget_s: float) -> None:

@@ -190,43 +190,52 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = list(range(1, 33))
     torch.manual_seed(0)
 
-    plain = {"fused_projections": plain_ms(model, prompt, new_tokens, compile_, True, args.repeats),
-             "separate_projections": plain_ms(model, prompt, new_tokens, compile_, False, args.repeats)}
-    plain_fraction = {name: 1000 / ms / bound for name, ms in plain.items()}
-    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
-    names = [s for s in args.shapes.split(",") if s]
-    steps = {name: step_ms(decoder, prompt, new_tokens, SHAPES[name], args.repeats) for name in names}
-    base = plain["fused_projections"]
-    parts = {}
-    for name in (s for s in args.parts.split(",") if s):
-        parts[name] = step_parts(model, drafter, prompt, SHAPES[name], compile_, args.repeats, args.calls)
-        if name in steps:
-            parts[name]["unattributed"] = steps[name] - sum(parts[name].values())
     result = {
-        "benchmark": "step_cost", "weights": "random (step cost depends on shapes only)",
+        "benchmark": "step_cost", "weights": "random (step cost depends on shapes only)", "complete": False,
         "device": str(device), "dtype": str(dtype), "shape": shape, "smoke": args.smoke, "compile": compile_,
         "prompt_tokens": len(prompt), "new_tokens": new_tokens,
         "model_bytes": model_bytes, "copy_bandwidth_bytes_per_s": bandwidth, "bound_tokens_per_s": bound,
-        "plain_step_ms": plain, "plain_tokens_per_s": {k: 1000 / v for k, v in plain.items()},
-        "plain_fraction_of_bound": plain_fraction,
-        "steps": {name: {"options": SHAPES[name], "step_ms": ms, "ratio_to_plain": ms / base} for name, ms in steps.items()},
-        "parts_ms": parts,
-        "goals": {"plain>=0.75_of_bound": plain_fraction["fused_projections"] >= 0.75,
-                  "chain_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items() if k.startswith("chain")),
-                  "tree_step<=1.35x_plain": all(v / base <= 1.35 for k, v in steps.items() if k.startswith("tree"))},
+        "plain_step_ms": {}, "plain_tokens_per_s": {}, "plain_fraction_of_bound": {}, "steps": {}, "parts_ms": {},
         "environment": environment(),
     }
+
+    def save() -> None:  # after every figure: a run cut off keeps what it measured ("complete": false)
+        atomic_write_json(args.output, result)
+        Path(args.output).with_suffix(".md").write_text(markdown(result))
+
+    for name, fuse in (("fused_projections", True), ("separate_projections", False)):
+        ms = plain_ms(model, prompt, new_tokens, compile_, fuse, args.repeats)
+        result["plain_step_ms"][name], result["plain_tokens_per_s"][name] = ms, 1000 / ms
+        result["plain_fraction_of_bound"][name] = 1000 / ms / bound
+        save()
+    base = result["plain_step_ms"]["fused_projections"]
+    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
+    # the default shapes first, then their parts: what a run cut short must not lose
+    names = sorted((s for s in args.shapes.split(",") if s), key=lambda n: n not in DEFAULT_SHAPE.values())
+    for name in names:
+        ms = step_ms(decoder, prompt, new_tokens, SHAPES[name], args.repeats)
+        result["steps"][name] = {"options": SHAPES[name], "step_ms": ms, "ratio_to_plain": ms / base}
+        save()
+        if name in args.parts.split(","):
+            parts = step_parts(model, drafter, prompt, SHAPES[name], compile_, args.repeats, args.calls)
+            result["parts_ms"][name] = {**parts, "unattributed": ms - sum(parts.values())}
+            save()
+    steps = {name: step["step_ms"] for name, step in result["steps"].items()}
+    result["goals"] = {"plain>=0.75_of_bound": result["plain_fraction_of_bound"]["fused_projections"] >= 0.75,
+                       "chain_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items() if k.startswith("chain")),
+                       "tree_step<=1.35x_plain": all(v / base <= 1.35 for k, v in steps.items() if k.startswith("tree"))}
     if args.reference_bench:
         result["projection"] = projection(args.reference_bench, base, steps)
-    atomic_write_json(args.output, result)
-    Path(args.output).with_suffix(".md").write_text(markdown(result))
+    result["complete"] = True
+    save()
     print(markdown(result))
     return result
 
 
 def markdown(result: dict) -> str:
     lines = [f"# Step cost, {result['shape']['num_hidden_layers']}-layer {result['shape']['hidden_size']}-wide Llama "
-             f"({result['weights']}; {result['device']}, {result['dtype']})", "",
+             f"({result['weights']}; {result['device']}, {result['dtype']})"
+             + ("" if result["complete"] else " -- INCOMPLETE: the run stopped before every figure was measured"), "",
              f"Bound: {result['bound_tokens_per_s']:.1f} tokens/s (copy bandwidth "
              f"{result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, {result['model_bytes'] / 1e9:.2f} GB of weights).", "",
              "| plain | ms/token | tokens/s | of bound |", "|---|---|---|---|"]

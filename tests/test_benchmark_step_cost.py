@@ -25,7 +25,8 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     out = tmp_path / "step_cost.json"
     result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4", "--parts", "chain4",
                              "--repeats", "1", "--calls", "2", "--reference-bench", str(bench)])
-    assert json.loads(out.read_text())["steps"] == result["steps"]
+    written = json.loads(out.read_text())
+    assert written["complete"] and written["steps"] == result["steps"]
     plain = result["plain_step_ms"]["fused_projections"]
     step = result["steps"]["chain4"]
     assert step["ratio_to_plain"] == step["step_ms"] / plain
@@ -35,3 +36,21 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     (row,) = result["projection"]
     assert row["reference_measured_speedup"] == 1.8 and row["projected_speedup"] == 3.0 * plain / step["step_ms"]
     assert "| chain4 |" in (tmp_path / "step_cost.md").read_text()
+
+
+def test_step_cost_cut_off_keeps_the_figures_it_measured(tmp_path, monkeypatch):
+    step_cost = load("step_cost")
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # what a time limit does to the run after its plain figures
+
+    monkeypatch.setattr(step_cost, "step_ms", stopped)
+    out = tmp_path / "step_cost.json"
+    try:
+        step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4", "--parts", "", "--repeats", "1"])
+    except KeyboardInterrupt:
+        pass
+    written = json.loads(out.read_text())
+    assert written["complete"] is False and written["steps"] == {}
+    assert set(written["plain_step_ms"]) == {"fused_projections", "separate_projections"}
+    assert "INCOMPLETE" in (tmp_path / "step_cost.md").read_text()
