@@ -73,7 +73,9 @@ def split_args(args: list[str], positional: tuple[str, ...] = ()) -> tuple[str |
         i += 1
     if len(bare) > len(positional):
         names = ", ".join(positional) or "none"
-        raise EaglekitError(f"unexpected argument '{bare[len(positional)]}' (positional arguments: {names}); use key=value")
+        raise EaglekitError(
+            f"unexpected argument '{bare[len(positional)]}' (positional arguments: {names}); use key=value"
+        )
     overrides = [f"{key}={value}" for key, value in zip(positional, bare)] + overrides
     return config_path, overrides
 
@@ -94,7 +96,7 @@ def os_error_message(error: OSError) -> str:
 
     where = f" ({error.filename})" if error.filename else ""
     if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return f"disk full{where}: free space there or pass output= a directory on another disk, then re-run the same command"
+        return f"disk full{where}: free space there or pass output= a directory on another disk, then run it again"
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"permission denied{where}: pass a path you can write to"
     if error.errno == errno.ENOTDIR:
@@ -134,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eaglekit {name}: error: {os_error_message(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"eaglekit {name}: interrupted; finished work is kept, re-run the same command to continue", file=sys.stderr)
+        print(
+            f"eaglekit {name}: interrupted; finished work is kept, re-run the same command to continue", file=sys.stderr
+        )
         return 130
     return 0
 

@@ -116,9 +116,13 @@ def _build(cls: type[C], values: dict[str, Any], prefix: str) -> C:
     renamed = getattr(cls, "RENAMED", {})
     for key in values:
         if key in renamed:
-            raise EaglekitError(f"config key '{prefix}{key}' is now called '{prefix}{renamed[key]}' (same meaning): rename it")
+            raise EaglekitError(
+                f"config key '{prefix}{key}' is now called '{prefix}{renamed[key]}' (same meaning): rename it"
+            )
         if key not in names:
-            raise EaglekitError(f"unknown config key '{prefix}{key}'" + _suggest(prefix + key, [prefix + k for k in all_keys]))
+            raise EaglekitError(
+                f"unknown config key '{prefix}{key}'" + _suggest(prefix + key, [prefix + k for k in all_keys])
+            )
     kwargs: dict[str, Any] = {}
     for name, f in names.items():
         tp, _ = _strip_optional(hints[name])
@@ -127,7 +131,9 @@ def _build(cls: type[C], values: dict[str, Any], prefix: str) -> C:
             if dataclasses.is_dataclass(sub):
                 sub = dataclasses.asdict(sub)
             if not isinstance(sub, dict):
-                raise EaglekitError(f"config key '{prefix}{name}' is a section; set its fields, e.g. {prefix}{name}.<key>=...")
+                raise EaglekitError(
+                    f"config key '{prefix}{name}' is a section; set its fields, e.g. {prefix}{name}.<key>=..."
+                )
             kwargs[name] = _build(tp, sub, f"{prefix}{name}.")
         elif name in values:
             value = _coerce(values[name], hints[name], prefix + name)
@@ -193,12 +199,14 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
 
 def to_dict(config: Any) -> dict[str, Any]:
     """Plain dict (tuples as lists) for YAML/JSON output."""
+
     def plain(value: Any) -> Any:
         if isinstance(value, tuple):
             return [plain(v) for v in value]
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         return value
+
     return {k: plain(v) for k, v in dataclasses.asdict(config).items()}
 
 

@@ -62,7 +62,9 @@ def git_commit() -> str | None:
     if os.environ.get("EAGLEKIT_COMMIT"):
         return os.environ["EAGLEKIT_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
@@ -90,7 +92,9 @@ def environment() -> dict[str, Any]:
 def write_manifest(directory: str | Path, stage: str, data: dict[str, Any]) -> Path:
     """Write `directory/manifest.json` for a finished stage (last, atomically)."""
     path = Path(directory) / "manifest.json"
-    atomic_write_json(path, {"stage": stage, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "environment": environment(), **data})
+    atomic_write_json(
+        path, {"stage": stage, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "environment": environment(), **data}
+    )
     return path
 
 
@@ -128,8 +132,10 @@ def claim_output(directory: str | Path, stage: str, overwrite: bool = False) -> 
 
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
-        raise EaglekitError(f"output {directory} is a file, not a directory: pass output= a directory path "
-                            "(a new one, or one this stage wrote)")
+        raise EaglekitError(
+            f"output {directory} is a file, not a directory: pass output= a directory path "
+            "(a new one, or one this stage wrote)"
+        )
     owner = directory_owner(directory) if directory.is_dir() else None
     foreign = [p.name for p in directory.iterdir() if p.name not in BOOKKEEPING] if directory.is_dir() else []
     if owner is None and (directory / ".run-key").is_file():
@@ -137,17 +143,21 @@ def claim_output(directory: str | Path, stage: str, overwrite: bool = False) -> 
     if foreign and owner != stage:
         written_by = f"was written by `eaglekit {owner}`" if owner else "was not written by eaglekit"
         if not overwrite:
-            raise EaglekitError(f"output {directory} is not empty and {written_by} (it holds {', '.join(sorted(foreign)[:3])}"
-                                f"{', ...' if len(foreign) > 3 else ''}): choose a new output directory, or pass "
-                                "overwrite=true to write into it anyway")
+            raise EaglekitError(
+                f"output {directory} is not empty and {written_by} (it holds {', '.join(sorted(foreign)[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}): choose a new output directory, or pass "
+                "overwrite=true to write into it anyway"
+            )
         log.warning("overwrite=true: writing `%s` output into %s, which %s", stage, directory, written_by)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if owner != stage:
             atomic_write_json(directory / OWNER_FILE, {"stage": stage})
     except OSError as error:
-        raise EaglekitError(f"cannot create output directory {directory}: {error.strerror or error}; "
-                            "pass output= a path you can write to") from None
+        raise EaglekitError(
+            f"cannot create output directory {directory}: {error.strerror or error}; "
+            "pass output= a path you can write to"
+        ) from None
     return directory
 
 
@@ -164,11 +174,14 @@ def write_errors(directory: str | Path, what: str = "output") -> Iterator[None]:
         yield
     except OSError as error:
         if error.errno in DISK_FULL:
-            raise EaglekitError(f"disk full while writing the {what} in {directory}: free space there (or pass output= "
-                                "a directory on another disk), then re-run the same command; finished work is kept") from None
+            raise EaglekitError(
+                f"disk full while writing the {what} in {directory}: free space there (or pass output= "
+                "a directory on another disk), then re-run the same command; finished work is kept"
+            ) from None
         if error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-            raise EaglekitError(f"cannot write the {what} in {directory} ({error.strerror}): pass output= a directory "
-                                "you can write to") from None
+            raise EaglekitError(
+                f"cannot write the {what} in {directory} ({error.strerror}): pass output= a directory you can write to"
+            ) from None
         raise
 
 

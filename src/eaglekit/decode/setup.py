@@ -23,15 +23,21 @@ def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype
     from eaglekit.target.loading import missing_path_error
 
     if not Path(path).exists():
-        raise missing_path_error(path, "drafter", "pass drafter= the directory `eaglekit train` or `eaglekit import` wrote")
+        raise missing_path_error(
+            path, "drafter", "pass drafter= the directory `eaglekit train` or `eaglekit import` wrote"
+        )
     drafter = Eagle3Drafter.from_pretrained(path, device=device, dtype=dtype).eval()
     drafter.requires_grad_(False)
-    check_drafter_target(drafter.config, target.config, path, target_name or getattr(target.config, "_name_or_path", ""))
+    check_drafter_target(
+        drafter.config, target.config, path, target_name or getattr(target.config, "_name_or_path", "")
+    )
     if not bool(drafter.embed_tokens.weight.any()):
         drafter.load_target_embedding(target.get_input_embeddings().weight)
     if drafter.config.vocab_size != target.get_output_embeddings().weight.shape[0]:
-        raise EaglekitError(f"drafter {path} was made for a vocabulary of {drafter.config.vocab_size} tokens, the target has "
-                            f"{target.get_output_embeddings().weight.shape[0]}: train or import a drafter for this target")
+        raise EaglekitError(
+            f"drafter {path} was made for a vocabulary of {drafter.config.vocab_size} tokens, the target has "
+            f"{target.get_output_embeddings().weight.shape[0]}: train or import a drafter for this target"
+        )
     return drafter
 
 

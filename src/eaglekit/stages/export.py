@@ -57,13 +57,29 @@ def run(config: Config) -> dict[str, Any]:
     (output / "manifest.json").unlink(missing_ok=True)  # its presence means "finished": not while files change
     dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
     with write_errors(output, "exported checkpoint"):
-        summary = export_drafter(drafter, output, config.to, dtype=dtype, include_embedding=config.include_embedding,
-                                 speculative_tokens=config.speculative_tokens)
+        summary = export_drafter(
+            drafter,
+            output,
+            config.to,
+            dtype=dtype,
+            include_embedding=config.include_embedding,
+            speculative_tokens=config.speculative_tokens,
+        )
         save_resolved(config, output, name="eaglekit_export.yaml")
-        write_manifest(output, "export", {"source": str(source), "summary": summary,
-                                          "weights_sha256": file_sha256(output / "model.safetensors")})
-    log.info("wrote %s checkpoint to %s (aux ids as written: %s; probe logits max diff %.3g)", config.to, output,
-             summary["config_aux_layer_ids"], summary["max_logit_difference"])
-    print(f"exported {source} -> {output} ({config.to}); aux layer ids written: {summary['config_aux_layer_ids']} "
-          f"(input-of-layer: {summary['aux_layer_ids_input_of_layer']}); re-import matched the source logits")
+        write_manifest(
+            output,
+            "export",
+            {"source": str(source), "summary": summary, "weights_sha256": file_sha256(output / "model.safetensors")},
+        )
+    log.info(
+        "wrote %s checkpoint to %s (aux ids as written: %s; probe logits max diff %.3g)",
+        config.to,
+        output,
+        summary["config_aux_layer_ids"],
+        summary["max_logit_difference"],
+    )
+    print(
+        f"exported {source} -> {output} ({config.to}); aux layer ids written: {summary['config_aux_layer_ids']} "
+        f"(input-of-layer: {summary['aux_layer_ids_input_of_layer']}); re-import matched the source logits"
+    )
     return summary

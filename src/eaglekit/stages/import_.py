@@ -72,7 +72,9 @@ def run(config: Config) -> dict[str, Any]:
     if target_name:
         data.update(target_name_or_path=target_name, target_architecture=architecture or data["target_architecture"])
         if layers and max(drafter.config.aux_layer_ids) > layers:
-            raise EaglekitError(f"aux layer ids {drafter.config.aux_layer_ids} exceed the target's {layers} layers: wrong target?")
+            raise EaglekitError(
+                f"aux layer ids {drafter.config.aux_layer_ids} exceed the target's {layers} layers: wrong target?"
+            )
     drafter.config = DrafterConfig.from_dict(data)
     if output.resolve() == source.resolve():
         raise EaglekitError("output must differ from the source checkpoint's directory; pass output=<new dir>")
@@ -81,10 +83,17 @@ def run(config: Config) -> dict[str, Any]:
     with write_errors(output, "imported drafter"):
         drafter.save_pretrained(output, include_embedding=bool(drafter.embed_tokens.weight.any()))
         save_resolved(config, output, name="eaglekit_import.yaml")
-    summary = {"source": str(source), "output": str(output), "aux_layer_ids": list(drafter.config.aux_layer_ids),
-               "aux_layer_convention": drafter.config.aux_layer_convention,
-               "draft_vocab_size": drafter.config.draft_vocab_size, "has_embedding": bool(drafter.embed_tokens.weight.any())}
+    summary = {
+        "source": str(source),
+        "output": str(output),
+        "aux_layer_ids": list(drafter.config.aux_layer_ids),
+        "aux_layer_convention": drafter.config.aux_layer_convention,
+        "draft_vocab_size": drafter.config.draft_vocab_size,
+        "has_embedding": bool(drafter.embed_tokens.weight.any()),
+    }
     write_manifest(output, "import", summary)
-    print(f"imported {source} -> {output}; aux layers (input-of-layer) {summary['aux_layer_ids']}"
-          + ("" if summary["has_embedding"] else "; no embedding in the checkpoint: load the target's before use"))
+    print(
+        f"imported {source} -> {output}; aux layers (input-of-layer) {summary['aux_layer_ids']}"
+        + ("" if summary["has_embedding"] else "; no embedding in the checkpoint: load the target's before use")
+    )
     return summary

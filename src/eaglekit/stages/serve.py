@@ -42,12 +42,20 @@ class Config:
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
     chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
-    drafter: str = option("", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics")
+    drafter: str = option(
+        "", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics"
+    )
     method: str = option("tree", "with drafter: speculative decoding method", choices=("tree", "chain"))
-    chain_length: int = option(DecodeOptions.chain_length, "with drafter, method=chain: draft tokens per target forward")
+    chain_length: int = option(
+        DecodeOptions.chain_length, "with drafter, method=chain: draft tokens per target forward"
+    )
     depth: int = option(DecodeOptions.depth, "with drafter, method=tree: draft levels")
-    total_tokens: int = option(DecodeOptions.total_tokens, "with drafter, method=tree: draft nodes verified per target forward")
-    tree_top_k: int = option(DecodeOptions.tree_top_k, "with drafter, method=tree: children per node and nodes expanded per level")
+    total_tokens: int = option(
+        DecodeOptions.total_tokens, "with drafter, method=tree: draft nodes verified per target forward"
+    )
+    tree_top_k: int = option(
+        DecodeOptions.tree_top_k, "with drafter, method=tree: children per node and nodes expanded per level"
+    )
 
 
 def build_engine(config: Config) -> GenerationEngine:
@@ -60,8 +68,11 @@ def build_engine(config: Config) -> GenerationEngine:
 
     weights = next(base.model.parameters())
     drafter = load_drafter(config.drafter, base.model, weights.device, weights.dtype, config.target)
-    shape = ({"chain_length": config.chain_length} if config.method == "chain" else
-             {"depth": config.depth, "total_tokens": config.total_tokens, "tree_top_k": config.tree_top_k})
+    shape = (
+        {"chain_length": config.chain_length}
+        if config.method == "chain"
+        else {"depth": config.depth, "total_tokens": config.total_tokens, "tree_top_k": config.tree_top_k}
+    )
     engine = SpeculativeEngine(base, drafter, config.method, resolve_backend("auto", base.model), **shape)
     width = 1 + (config.chain_length if config.method == "chain" else config.total_tokens)  # draft slots per step
     engine.max_context = engine.decoder.max_length - width - 1  # the decoder's cache also holds one step's drafts
@@ -79,9 +90,15 @@ def build_server(config: Config, engine: GenerationEngine | None = None) -> Chat
     is_path = Path(config.target).expanduser().exists()
     name = config.model_name or (Path(config.target.rstrip("/")).name if is_path else config.target)
     return ChatServer(
-        engine if engine is not None else build_engine(config), name, config.host, config.port,
-        api_key=config.api_key or os.environ.get("EAGLEKIT_API_KEY", ""), queue_size=config.queue_size,
-        max_batch_size=config.max_batch_size, default_max_tokens=config.max_tokens, max_tokens_limit=config.max_tokens_limit,
+        engine if engine is not None else build_engine(config),
+        name,
+        config.host,
+        config.port,
+        api_key=config.api_key or os.environ.get("EAGLEKIT_API_KEY", ""),
+        queue_size=config.queue_size,
+        max_batch_size=config.max_batch_size,
+        default_max_tokens=config.max_tokens,
+        max_tokens_limit=config.max_tokens_limit,
     )
 
 

@@ -27,8 +27,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 
 def offline_mode() -> bool:
     """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) forbids downloads."""
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def looks_local(name: str) -> bool:
@@ -58,8 +60,10 @@ def _check_cached(name: str) -> None:
     except ValueError:  # huggingface_hub's HFValidationError: not a valid repo id at all
         cached = None
     if not isinstance(cached, str):
-        raise EaglekitError(f"target {name} is no local directory and is not in the Hugging Face cache, and offline mode "
-                            "is on (HF_HUB_OFFLINE=1): give the model's directory, or unset HF_HUB_OFFLINE to download it")
+        raise EaglekitError(
+            f"target {name} is no local directory and is not in the Hugging Face cache, and offline mode "
+            "is on (HF_HUB_OFFLINE=1): give the model's directory, or unset HF_HUB_OFFLINE to download it"
+        )
 
 
 def resolve_target(name_or_path: str) -> str:
@@ -73,12 +77,17 @@ def resolve_target(name_or_path: str) -> str:
     if path.exists():
         if not (path / "config.json").is_file():
             kind = "a file" if path.is_file() else "a directory without config.json"
-            raise EaglekitError(f"target {name_or_path} is {kind}, not a model directory; give the folder that holds "
-                                "the model's config.json, or target=tiny")
+            raise EaglekitError(
+                f"target {name_or_path} is {kind}, not a model directory; give the folder that holds "
+                "the model's config.json, or target=tiny"
+            )
         return str(path)
     if looks_local(name_or_path):
-        raise missing_path_error(name_or_path, "target", "give an existing model directory (a folder with config.json), "
-                                 "a hub id such as org/name, or target=tiny")
+        raise missing_path_error(
+            name_or_path,
+            "target",
+            "give an existing model directory (a folder with config.json), a hub id such as org/name, or target=tiny",
+        )
     return name_or_path
 
 
@@ -111,14 +120,17 @@ def load_target_config(name_or_path: str, trust_remote_code: bool = False) -> An
         try:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as error:
-            raise EaglekitError(f"{config_file} is not valid JSON ({error}); fix or re-download the checkpoint") from None
+            raise EaglekitError(
+                f"{config_file} is not valid JSON ({error}); fix or re-download the checkpoint"
+            ) from None
         if raw.get("auto_map"):
             from transformers import CONFIG_MAPPING
 
             if raw.get("model_type") not in CONFIG_MAPPING:
                 raise EaglekitError(
                     f"target {name_or_path} needs its own modelling code (config.json has auto_map, model_type "
-                    f"{raw.get('model_type')!r} is not built into transformers); pass trust_remote_code=true if you trust it"
+                    f"{raw.get('model_type')!r} is not built into transformers); pass trust_remote_code=true if "
+                    "you trust it"
                 )
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -152,10 +164,13 @@ def load_target(
         except ValueError as error:  # the auto class does not know this config type
             errors.append(f"{auto.__name__}: {error}")
         except (OSError, SafetensorError) as error:
-            raise EaglekitError(f"cannot load target weights from {name_or_path}: {error}; re-download or re-save the "
-                                "checkpoint") from None
+            raise EaglekitError(
+                f"cannot load target weights from {name_or_path}: {error}; re-download or re-save the checkpoint"
+            ) from None
     if model is None:
-        raise EaglekitError(f"no causal-LM class for target {name_or_path} ({type(config).__name__}): " + "; ".join(errors))
+        raise EaglekitError(
+            f"no causal-LM class for target {name_or_path} ({type(config).__name__}): " + "; ".join(errors)
+        )
     if not device_map:
         model.to(device)
     model.eval().requires_grad_(False)
