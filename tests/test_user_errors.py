@@ -294,14 +294,16 @@ def test_train_without_assistant_tokens(chat_target, tmp_path, capsys):
     assert "no assistant tokens in DATA" in line and "eaglekit inspect" in line
 
 
-def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path, data, caplog, capsys):
+def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path, data, caplog, capsys, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from conftest import build_chat_target
+    from eaglekit import layers
     from eaglekit.config import load_config
     from eaglekit.stages import extract
     from eaglekit.target.capture import default_aux_layers
 
+    monkeypatch.setattr(layers, "_warned_small", set())  # warned once per process: an earlier test may have seen 5 layers
     with caplog.at_level(logging.WARNING):
         assert default_aux_layers(5) == (1, 2, 4)
     assert "repeat a layer" in caplog.text
