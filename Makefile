@@ -30,27 +30,23 @@ install: $(BIN)/eaglekit
 demo: install
 	$(BIN)/eaglekit run --config src/eaglekit/recipes/demo.yaml
 
-$(VLLM_VENV)/.eaglekit-stamp:
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" "$(VLLM_PKG)"
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y $(ENGINE_DROP)
-	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
-	touch $@
+# An engine's venv (1: its folder, 2: its package, 3: the import that proves it works). torch comes first and is
+# named again beside the package: the package's unpinned needs (torchvision/torchaudio) would otherwise pull a newer
+# (CUDA, multi-GB) torch; with the pin pip picks the releases built for this one.
+define engine_venv
+$(1)/.eaglekit-stamp:
+	test -x $(1)/bin/python || $$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q "$$(TORCH)"
+	$(1)/bin/python -m pip install -q "$$(TORCH)" "$(2)"
+	$(1)/bin/python -m pip uninstall -q -y $$(ENGINE_DROP)
+	$(1)/bin/python -c "$(3)"
+	touch $$@
+endef
+$(eval $(call engine_venv,$(VLLM_VENV),$(VLLM_PKG),import vllm; print('vllm', vllm.__version__)))
+$(eval $(call engine_venv,$(SPECULATORS_VENV),$(SPECULATORS_PKG),import speculators; from importlib.metadata import version; print('speculators', version('speculators'))))
 
 vllm-env: $(VLLM_VENV)/.eaglekit-stamp
-
-$(SPECULATORS_VENV)/.eaglekit-stamp:
-	test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
-	$(SPECULATORS_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(TORCH)"
-	# torch named again: speculators wants torchvision/torchaudio unpinned, whose newest releases would pull a
-	# newer (CUDA, multi-GB) torch; with the pin pip picks the releases built for this torch
-	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(TORCH)" "$(SPECULATORS_PKG)"
-	$(SPECULATORS_VENV)/bin/python -m pip uninstall -q -y $(ENGINE_DROP)
-	$(SPECULATORS_VENV)/bin/python -c "import speculators, importlib.metadata as m; print('speculators', m.version('speculators'))"
-	touch $@
 
 speculators-env: $(SPECULATORS_VENV)/.eaglekit-stamp
 
