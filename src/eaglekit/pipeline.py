@@ -75,7 +75,8 @@ def fingerprint(paths: Iterable[str | Path]) -> str:
     digest = hashlib.sha256()
     for path in map(Path, paths):
         if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts))
+            files = sorted(f for f in path.rglob("*") if f.is_file()
+                           and not any(p.startswith(".") for p in f.relative_to(path).parts))
         elif path.is_file():
             files = [path]
         else:

@@ -85,7 +85,8 @@ def _online_data_stats(out: Path, train: dict[str, Any]) -> dict[str, Any] | Non
         from eaglekit.target.loading import load_tokenizer
 
         tokenizer = load_tokenizer(config["target"], trust_remote_code=bool(config.get("trust_remote_code")))
-        records = conversation_records(tuple(config["data"]), tokenizer, int(config["max_length"]), config.get("chat_template") or "")
+        records = conversation_records(tuple(config["data"]), tokenizer, int(config["max_length"]),
+                                       config.get("chat_template") or "")
     except (EaglekitError, OSError, KeyError, ValueError) as error:
         log.warning("could not count the online training data's tokens: %s", error)
         return None
@@ -111,10 +112,12 @@ def collect(out: str | Path) -> dict[str, Any]:
     info["metrics"] = read_metrics(out / "train" / "metrics.jsonl")
     info["bench"] = _json(out / "bench" / "bench.json") if read_manifest(out / "bench") else None
     order = (info["run"].get("config") or {}).get("export_formats") or []
-    folders = sorted((d for d in (out / "export").glob("*") if d.is_dir() and not d.name.endswith(".old")), key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
+    folders = sorted((d for d in (out / "export").glob("*") if d.is_dir() and not d.name.endswith(".old")),
+                     key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
     info["exports"] = {d.name: read_manifest(d) for d in folders if read_manifest(d)}
     engines = (info["run"].get("config") or {}).get("doctor_engines") or []
-    checked = sorted((d for d in (out / "doctor").glob("*") if (d / "doctor.json").is_file() and not d.name.endswith(".old")),
+    checked = sorted((d for d in (out / "doctor").glob("*") if (d / "doctor.json").is_file()
+                      and not d.name.endswith(".old")),
                      key=lambda d: (engines.index(d.name) if d.name in engines else len(engines), d.name))
     info["doctor"] = {d.name: _json(d / "doctor.json") for d in checked}
     return info
@@ -127,7 +130,8 @@ def bench_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for row in rows:
         names = ("vllm_plain",) if row["method"].startswith("vllm_") else ("plain", "hf")  # an engine against itself
-        base = next((r for name in names for r in rows if r["method"] == name and r["temperature"] == row["temperature"]), None)
+        base = next((r for name in names for r in rows if r["method"] == name
+                     and r["temperature"] == row["temperature"]), None)
         speed, base_speed = row.get("tokens_per_second"), base.get("tokens_per_second") if base else None
         table.append({**row, "baseline": base["method"] if base else None,
                       "speedup": speed / base_speed if speed and base_speed else None})
@@ -145,7 +149,8 @@ def bench_markdown(rows: list[dict[str, Any]]) -> list[str]:
         speedup = f"{r['speedup']:.2f}x vs {r['baseline']}" if r["speedup"] else "n/a"
         rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
         lines.append(f"| {r['method']} | {r['temperature']:g} | {_fmt(r.get('tokens_per_second'), '.1f')} | "
-                     f"{_fmt(r.get('ms_per_token'), '.2f')} | {speedup} | {_fmt(r.get('decode_tokens_per_second'), '.1f')} | "
+                     f"{_fmt(r.get('ms_per_token'), '.2f')} | {speedup} | "
+                     f"{_fmt(r.get('decode_tokens_per_second'), '.1f')} | "
                      f"{_fmt(r.get('tau'), '.2f') if 'tau' in r else ''} | {rates} |")
     return lines
 
@@ -157,15 +162,16 @@ def vllm_sweep_markdown(rows: list[dict[str, Any]]) -> list[str]:
     if not plain or not eagle or not eagle.get("concurrency"):
         return []
     plain_levels = {level["concurrency"]: level for level in plain.get("concurrency", [])}
-    lines = [f"vLLM {eagle.get('engine_version')} served (`vllm serve`, T=0), output tokens/s by requests in flight:", "",
+    lines = [f"vLLM {eagle.get('engine_version')} served (`vllm serve`, T=0), output tokens/s by requests in flight:",
+             "",
              "| concurrency | requests | vllm_plain tokens/s | vllm_eagle3 tokens/s | speed-up | tau (served) |",
              "|---|---|---|---|---|---|"]
     for level in eagle["concurrency"]:
         base = plain_levels.get(level["concurrency"], {})
         speed, base_speed = level.get("tokens_per_second"), base.get("tokens_per_second")
         speedup = f"{speed / base_speed:.2f}x" if speed and base_speed else "n/a"
-        lines.append(f"| {level['concurrency']} | {level['requests']} | {_fmt(base_speed, '.1f')} | {_fmt(speed, '.1f')} | "
-                     f"{speedup} | {_fmt(level.get('tau'), '.3f')} |")
+        lines.append(f"| {level['concurrency']} | {level['requests']} | {_fmt(base_speed, '.1f')} | "
+                     f"{_fmt(speed, '.1f')} | {speedup} | {_fmt(level.get('tau'), '.3f')} |")
     return lines
 
 
@@ -187,8 +193,10 @@ def headline(info: dict[str, Any]) -> dict[str, Any]:
 def headline_text(numbers: dict[str, Any]) -> str:
     parts = []
     if "tau" in numbers:
-        speedup = f"{numbers['speedup']:.2f}x vs {numbers['baseline']}" if numbers.get("speedup") else "no baseline measured"
-        parts.append(f"tau {numbers['tau']:.2f} ({numbers['method']}, T={numbers['temperature']:g}), speed-up {speedup}")
+        speedup = (f"{numbers['speedup']:.2f}x vs {numbers['baseline']}" if numbers.get("speedup")
+                   else "no baseline measured")
+        parts.append(f"tau {numbers['tau']:.2f} ({numbers['method']}, "
+                     f"T={numbers['temperature']:g}), speed-up {speedup}")
     if "val_accuracy" in numbers:
         parts.append(f"val accuracy (first draft position) {numbers['val_accuracy']:.3f}")
     return "; ".join(parts) if parts else "no headline numbers (bench and train were not run)"
@@ -235,8 +243,10 @@ def plot_training(metrics: dict[str, list[dict[str, Any]]], path: Path) -> bool:
         if train:
             right.plot([m["step"] for m in train], [m["acc_k"][k] for m in train], color=colors[k], alpha=0.4)
         if val:
-            right.plot([m["step"] for m in val], [m["acc_k"][k] for m in val], "o-", color=colors[k], label=f"position {k + 1}")
-    right.set(xlabel="optimizer step", ylabel="top-1 accuracy (train: thin lines)", title="accuracy per TTT position (dots: validation)", ylim=(0, 1.02))
+            right.plot([m["step"] for m in val], [m["acc_k"][k] for m in val], "o-", color=colors[k],
+                       label=f"position {k + 1}")
+    right.set(xlabel="optimizer step", ylabel="top-1 accuracy (train: thin lines)",
+              title="accuracy per TTT position (dots: validation)", ylim=(0, 1.02))
     right.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     _save(fig, path)
@@ -251,7 +261,8 @@ def plot_acceptance(rows: list[dict[str, Any]], val: dict[str, Any], path: Path)
     fig, axis = plt.subplots(figsize=(7, 4.5))
     for row in measured:
         rates = row["acceptance_per_position"]
-        axis.plot(range(1, len(rates) + 1), rates, "o-", label=f"{row['method']} T={row['temperature']:g}: accepted (tau {row['tau']:.2f})")
+        axis.plot(range(1, len(rates) + 1), rates, "o-",
+                  label=f"{row['method']} T={row['temperature']:g}: accepted (tau {row['tau']:.2f})")
     if val.get("acc_k"):
         acc = val["acc_k"]
         axis.plot(range(1, len(acc) + 1), acc, "s--", color="gray", label="training validation accuracy")
@@ -272,7 +283,8 @@ def _section_steps(info: dict[str, Any]) -> list[str]:
              + ", ".join(f"`{d}`" for d in config.get("data", [])) + f"; training: {config.get('training', '?')}.", ""]
     if steps:
         lines += ["| stage | this run | seconds (when it ran) | peak GPU GB | folder |", "|---|---|---|---|---|"]
-        lines += [f"| {s['stage']} | {s['status']} | {s['seconds']:.1f} | {_gb(s.get('peak_gpu_gb'))} | `{s['directory']}` |"
+        lines += [f"| {s['stage']} | {s['status']} | {s['seconds']:.1f} | {_gb(s.get('peak_gpu_gb'))} | "
+                  f"`{s['directory']}` |"
                   for s in steps]
     return lines
 
@@ -282,7 +294,8 @@ def _section_data(info: dict[str, Any]) -> list[str]:
     regen, extract, vocab = info["regen"], info["extract"], info["vocab"]
     if regen:
         lines.append(f"- regen: {regen['finished']} of {regen['records']} records answered by the target "
-                     f"({regen['completion_tokens']} new tokens in {regen['answers']} answers, generated in {regen['seconds']:.1f} s)")
+                     f"({regen['completion_tokens']} new tokens in {regen['answers']} answers, generated in "
+                     f"{regen['seconds']:.1f} s)")
     if extract:
         tokens, loss_tokens = extract.get("num_tokens"), extract.get("loss_tokens")
         share = f"{loss_tokens / tokens:.1%}" if loss_tokens is not None and tokens else "n/a"
@@ -291,13 +304,14 @@ def _section_data(info: dict[str, Any]) -> list[str]:
                      f"{_fmt(loss_tokens, 'd')} ({share}); truncated records: {stats.get('truncated', 'n/a')}"
                      + (" (counted from the online training data)" if "key" in extract else ""))
     if vocab:
-        lines.append(f"- draft vocabulary: {vocab['draft_vocab_size']} of {vocab['vocab_size']} ids ({vocab.get('mapping')}); "
-                     f"coverage {vocab['coverage']:.2%} of {vocab['tokens_counted']} loss-masked tokens "
-                     f"({vocab.get('distinct_tokens')} distinct ids seen)")
+        lines.append(f"- draft vocabulary: {vocab['draft_vocab_size']} of {vocab['vocab_size']} ids "
+                     f"({vocab.get('mapping')}); coverage {vocab['coverage']:.2%} of "
+                     f"{vocab['tokens_counted']} loss-masked tokens ({vocab.get('distinct_tokens')} distinct ids seen)")
     if len(lines) == 3:
         lines.append("Not run (regen, extract and vocab left out or not finished).")
     elif not extract:
-        lines.append("- total tokens and loss-masked share: not measured (no extract store and no finished online training)")
+        lines.append("- total tokens and loss-masked share: not measured (no extract store and no "
+                     "finished online training)")
     return lines
 
 
@@ -307,12 +321,14 @@ def _section_training(info: dict[str, Any], plotted: bool) -> list[str]:
     if not train:
         return lines + ["Not run or not finished (no train/manifest.json)."]
     val = train.get("val") or {}
-    lines.append(f"{train.get('mode', '?')} training, {train.get('steps')} optimizer steps over {train.get('epochs')} epoch(s), "
-                 f"{train.get('train_records')} training / {train.get('val_records')} validation records; drafter: `{info['out'] / 'train'}`.")
+    lines.append(f"{train.get('mode', '?')} training, {train.get('steps')} optimizer steps over "
+                 f"{train.get('epochs')} epoch(s), {train.get('train_records')} training / {train.get('val_records')} "
+                 f"validation records; drafter: `{info['out'] / 'train'}`.")
     if plotted:
         lines += ["", f"![training curves]({TRAINING_PLOT})"]
     if val.get("acc_k"):
-        lines += ["", f"Validation at step {val.get('step')}: loss {val['loss']:.4f}, estimated tau {_fmt(val.get('tau'), '.2f')}.", "",
+        lines += ["", f"Validation at step {val.get('step')}: loss {val['loss']:.4f}, estimated tau "
+                      f"{_fmt(val.get('tau'), '.2f')}.", "",
                   "| TTT position | " + " | ".join(str(k + 1) for k in range(len(val["acc_k"]))) + " |",
                   "|---|" + "---|" * len(val["acc_k"]),
                   "| accuracy | " + " | ".join(f"{a:.3f}" for a in val["acc_k"]) + " |"]
@@ -333,8 +349,9 @@ def _section_decoding(info: dict[str, Any], plotted: bool) -> list[str]:
     if not bench:
         return lines + ["Not run or not finished (no bench/bench.json)."]
     config = bench.get("config") or {}
-    lines.append(f"{bench.get('num_prompts')} prompts from `{config.get('prompts')}`, {config.get('max_new_tokens')} new tokens each, "
-                 f"median of {config.get('repeats')} runs, backend {bench.get('backend')}, device {config.get('device')}.")
+    lines.append(f"{bench.get('num_prompts')} prompts from `{config.get('prompts')}`, "
+                 f"{config.get('max_new_tokens')} new tokens each, median of {config.get('repeats')} runs, backend "
+                 f"{bench.get('backend')}, device {config.get('device')}.")
     lines += ["", *bench_markdown(bench.get("rows", []))]
     if plotted:
         lines += ["", f"![acceptance per position]({ACCEPTANCE_PLOT})"]
@@ -354,8 +371,9 @@ def _section_served_by_vllm(info: dict[str, Any]) -> list[str]:
     vllm = bench.get("vllm") or {}
     eagle = next((r for r in rows if r["method"] == "vllm_eagle3"), {})
     chain = next((r for r in bench.get("rows", []) if r["method"] == "chain" and r["temperature"] == 0), None)
-    lines.append(f"vLLM {vllm.get('version')} (`{vllm.get('python')}`) ran the target with and without the exported drafter "
-                 f"on the same prompt ids (T=0, fp32): tau {_fmt(eagle.get('tau'), '.3f')}, acceptance per position "
+    lines.append(f"vLLM {vllm.get('version')} (`{vllm.get('python')}`) ran the target with and without "
+                 f"the exported drafter on the same prompt ids (T=0, fp32): tau {_fmt(eagle.get('tau'), '.3f')}, "
+                 "acceptance per position "
                  + " ".join(f"{x:.3f}" for x in eagle.get("acceptance_per_position", [])) + " (vLLM's own counters)"
                  + (f"; eaglekit's chain: tau {_fmt(chain.get('tau'), '.3f')}." if chain and "tau" in chain else "."))
     sweep = vllm_sweep_markdown(rows)
@@ -380,12 +398,14 @@ def launch_commands(target: str, drafter: str, fmt: str, trust_remote_code: bool
         spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps})
         return [f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
     if fmt == "sglang":
-        return [f"python -m sglang.launch_server --model-path {shlex.quote(target)}{trust} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {shlex.quote(drafter)} --speculative-num-steps {steps} "
-                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}"]
+        return [f"python -m sglang.launch_server --model-path {shlex.quote(target)}{trust} "
+                f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(drafter)} "
+                f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {steps + 1}"]
     if fmt == "speculators":  # the checkpoint names its verifier; the long form names the target explicitly
         spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps})
-        return [f"vllm serve {shlex.quote(drafter)}{trust}", f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
+        return [f"vllm serve {shlex.quote(drafter)}{trust}",
+                f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
     return []
 
 
@@ -414,7 +434,8 @@ def _section_doctor(info: dict[str, Any]) -> list[str]:
         reasons = report.get("reasons") or []
         fix = report.get("fix") or []
         cell = lambda items: "; ".join(str(i) for i in items).replace("|", "\\|") or "-"  # noqa: E731
-        lines.append(f"| {engine} | {report.get('engine_version') or 'n/a'} | **{report.get('verdict', 'unknown')}** | {cell(reasons)} | {cell(fix)} |")
+        lines.append(f"| {engine} | {report.get('engine_version') or 'n/a'} | **{report.get('verdict', 'unknown')}** | "
+                     f"{cell(reasons)} | {cell(fix)} |")
     return lines
 
 

@@ -56,7 +56,8 @@ class Conversation:
 
 def content_id(messages: tuple[Message, ...]) -> str:
     """A 16-hex-digit id from the messages alone (roles, content, reasoning)."""
-    canonical = json.dumps([[m.role, m.content, m.reasoning] for m in messages], ensure_ascii=False, separators=(",", ":"))
+    canonical = json.dumps([[m.role, m.content, m.reasoning] for m in messages], ensure_ascii=False,
+                           separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
@@ -87,7 +88,8 @@ def _message(raw: Any, index: int) -> Message:
     elif "from" in raw or "value" in raw:
         role_raw, content = raw.get("from"), raw.get("value")
     else:
-        raise RecordError(f"{what} has neither role/content nor from/value keys (keys: {', '.join(map(str, raw)) or 'none'})")
+        raise RecordError(f"{what} has neither role/content nor from/value keys (keys: "
+                          f"{', '.join(map(str, raw)) or 'none'})")
     role = ROLE_ALIASES.get(str(role_raw).lower()) if role_raw is not None else None
     if role is None:
         raise RecordError(f"{what} has role {role_raw!r}; supported: {', '.join(sorted(ROLE_ALIASES))}")
@@ -114,7 +116,8 @@ def _messages(record: dict[str, Any]) -> list[Message]:
             messages.append(Message("assistant", _text(record["completion"], "completion"), reasoning))
         return messages
     keys = ", ".join(map(str, record)) or "none"
-    raise RecordError(f"unknown record format (keys: {keys}); expected 'messages' (OpenAI), 'conversations' (ShareGPT) or 'prompt'/'completion'")
+    raise RecordError(f"unknown record format (keys: {keys}); expected 'messages' (OpenAI), 'conversations' (ShareGPT) "
+                      "or 'prompt'/'completion'")
 
 
 def parse_record(record: Any) -> Conversation:

@@ -39,11 +39,13 @@ def common_prefix_length(a: str, b: str) -> int:
 def _turn_start(full: str, render: TurnRender, start_of_turn: int, cursor: int) -> int:
     """Where a rewritten turn's learned text starts in `full`: after the previous message and the header."""
     if render.previous is None:
-        raise SpanError("the template renders it differently once later messages follow, and the message before it is not a user/system message with text")
+        raise SpanError("the template renders it differently once later messages follow, and the message before it is "
+                        "not a user/system message with text")
     in_prompt = render.turn.rfind(render.previous, 0, start_of_turn)
     if in_prompt < 0:
         raise SpanError("the text of the message before it is not rendered verbatim")
-    anchor = render.turn[in_prompt:start_of_turn]  # previous message's text + the turn's header, e.g. "Hi<|im_end|>\n<|im_start|>assistant\n"
+    # previous message's text + the turn's header, e.g. "Hi<|im_end|>\n<|im_start|>assistant\n"
+    anchor = render.turn[in_prompt:start_of_turn]
     at = full.find(anchor, cursor)
     if at >= 0:
         return at + len(anchor)

@@ -90,7 +90,8 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
     elif isinstance(data, dict):
         yield f"{path}:1", data
     else:
-        raise EaglekitError(f"{path} holds a JSON {type(data).__name__}; expected a list of records or one record object")
+        raise EaglekitError(f"{path} holds a JSON {type(data).__name__}; expected a list of records "
+                            "or one record object")
 
 
 def _dataset_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -113,8 +114,8 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, Any]]:
         names = list(loaded)
         split = "train" if "train" in loaded else names[0] if len(names) == 1 else None
         if split is None:
-            raise EaglekitError(f"{path} has splits {', '.join(names)} and none is 'train'; save the split to use on its own "
-                                "(dataset[split].save_to_disk(DIR)) and pass that directory")
+            raise EaglekitError(f"{path} has splits {', '.join(names)} and none is 'train'; save the "
+                                "split to use on its own (dataset[split].save_to_disk(DIR)) and pass that directory")
         loaded, where = loaded[split], f"{path}[{split}]"
     else:
         where = str(path)
@@ -169,7 +170,8 @@ class _Collector:
             conversation = self._unique(where, parse_record(record))
         except RecordError as error:
             if not self.skip_errors:
-                raise EaglekitError(f"{where}: {error}; fix or remove this record, or set skip_errors=true to skip bad records") from None
+                raise EaglekitError(f"{where}: {error}; fix or remove this record, or set "
+                                    "skip_errors=true to skip bad records") from None
             self.result.skipped += 1
             self.result.errors.append(f"{where}: {error}")
             log.warning("skipping %s: %s", where, error)
@@ -182,7 +184,8 @@ class _Collector:
             self.first_seen[conversation.id] = (where, conversation)
             return conversation
         if seen[1].messages != conversation.messages:
-            raise RecordError(f"id {conversation.id!r} is already used by {seen[0]} for a different conversation; ids must be unique")
+            raise RecordError(f"id {conversation.id!r} is already used by {seen[0]} for a different "
+                              "conversation; ids must be unique")
         self.copies[conversation.id] = self.copies.get(conversation.id, 1) + 1
         return Conversation(f"{conversation.id}#{self.copies[conversation.id]}", conversation.messages)
 
@@ -199,9 +202,11 @@ def load_conversations(paths: str | Path | Sequence[str | Path], skip_errors: bo
     if result.skipped:
         log.warning("skipped %d malformed record(s) of %d", result.skipped, result.skipped + len(result.conversations))
     if collector.copies:
-        log.info("%d record(s) repeat an earlier one; their ids got a #N suffix", sum(n - 1 for n in collector.copies.values()))
+        log.info("%d record(s) repeat an earlier one; their ids got a #N suffix",
+                 sum(n - 1 for n in collector.copies.values()))
     if not result.conversations:
-        what = f"all {result.skipped} records were malformed (first: {result.errors[0]})" if result.skipped else "no records found"
+        what = (f"all {result.skipped} records were malformed (first: {result.errors[0]})" if result.skipped
+                else "no records found")
         raise EaglekitError(f"{', '.join(map(str, _as_paths(paths)))}: {what}")
     return result
 

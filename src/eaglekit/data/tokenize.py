@@ -45,7 +45,8 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> s
             return chat_template
         path = Path(chat_template).expanduser()
         if not path.is_file():
-            raise EaglekitError(f"chat_template {chat_template!r} is neither a Jinja template nor an existing file; pass the path of a .jinja file")
+            raise EaglekitError(f"chat_template {chat_template!r} is neither a Jinja template nor an existing file; "
+                                "pass the path of a .jinja file")
         return path.read_text(encoding="utf-8")
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: use the default one
@@ -85,11 +86,13 @@ def render(tokenizer: Any, messages: list[dict[str, str]], template: str, add_ge
     import jinja2
 
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except (jinja2.TemplateError, TypeError, ValueError) as error:
         roles = "/".join(m["role"] for m in messages)
         raise EaglekitError(f"the chat template failed on a conversation with roles {roles}: {error}; "
-                            "fix the data (e.g. roles the template does not allow) or pass chat_template=FILE.jinja") from None
+                            "fix the data (e.g. roles the template does not allow) or pass "
+                            "chat_template=FILE.jinja") from None
     assert isinstance(text, str), type(text)
     return text
 
@@ -110,11 +113,14 @@ def _turn_renders(tokenizer: Any, conversation: Conversation, template: str) -> 
             _warn_once("the chat template does not render `reasoning_content`; reasoning in the data is not learned "
                        "(pass chat_template=FILE.jinja with a template that renders it)")
         previous = conversation.messages[k - 1] if k else None
-        previous_text = previous.content.strip() if previous and previous.role != "assistant" and previous.content.strip() else None
+        previous_text = (previous.content.strip() if previous and previous.role != "assistant"
+                         and previous.content.strip() else None)
         content = message.content.strip()
         if k:
             prompt = render(tokenizer, messages[:k], template, True)
-        else:  # an assistant message opens the conversation (templates cannot render zero messages): learned from its content on
+        # an assistant message opens the conversation (templates cannot
+        # render zero messages): learned from its content on
+        else:
             prompt = turn[: turn.find(content)] if content and content in turn else ""
         renders.append(TurnRender(prompt, turn, previous_text, content))
     return renders
@@ -134,13 +140,15 @@ def _tokens_and_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]]) ->
     mask: list[int] = []
     cuts = [0] + [p for span in spans for p in span] + [len(text)]
     for i in range(len(cuts) - 1):
-        piece = tokenizer(text[cuts[i] : cuts[i + 1]], add_special_tokens=False)["input_ids"] if cuts[i + 1] > cuts[i] else []
+        piece = tokenizer(text[cuts[i] : cuts[i + 1]],
+                          add_special_tokens=False)["input_ids"] if cuts[i + 1] > cuts[i] else []
         ids.extend(piece)
         mask.extend([i % 2] * len(piece))  # odd pieces are the spans
     return ids, mask
 
 
-def tokenize_conversation(tokenizer: Any, conversation: Conversation, max_length: int | None, chat_template: str | None = None) -> TokenizedRecord:
+def tokenize_conversation(tokenizer: Any, conversation: Conversation, max_length: int | None,
+                          chat_template: str | None = None) -> TokenizedRecord:
     """Token ids of the rendered conversation and the loss mask (1 on assistant turns), truncated to `max_length`."""
     template = resolve_chat_template(tokenizer, chat_template)
     messages = template_messages(conversation)

@@ -39,7 +39,8 @@ class Decoder:
                  compile: bool = False, max_length: int = 2048):
         if backend not in BACKENDS:
             raise EaglekitError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
-        self.target, self.drafter, self.backend, self.compile, self.max_length = target, drafter, backend, compile, max_length
+        self.target, self.drafter, self.backend = target, drafter, backend
+        self.compile, self.max_length = compile, max_length
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self._targets: dict = {}
         self._drafters: dict = {}
@@ -103,8 +104,9 @@ class Decoder:
             raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
         width = 0 if method == "plain" else 1 + (opts.chain_length if method == "chain" else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
-            raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + draft nodes ({width}) "
-                                f"exceed the static cache ({self.max_length} slots); raise max_length")
+            raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + "
+                                f"draft nodes ({width}) exceed the static cache ({self.max_length} "
+                                "slots); raise max_length")
         aux_layers = None if method == "plain" else drafter_aux_layers(self.drafter)
         target_backend = self._target_backend(aux_layers)
         drafter_backend = None if method == "plain" else self._drafter_backend(opts)
@@ -133,7 +135,8 @@ def generate(
     """
     n = prompt_ids.numel() if isinstance(prompt_ids, torch.Tensor) else len(prompt_ids)
     defaults = DecodeOptions()
-    width = 2 + max(options.get("chain_length", defaults.chain_length), options.get("total_tokens", defaults.total_tokens))
+    width = 2 + max(options.get("chain_length", defaults.chain_length),
+                    options.get("total_tokens", defaults.total_tokens))
     decoder = Decoder(target, drafter, backend, compile, max_length or n + max_new_tokens + width)
     return decoder.generate(prompt_ids, max_new_tokens, method, **options)
 

@@ -117,7 +117,8 @@ class EagerDrafter:
         feature = self.drafter.fuse(aux.to(next(self.drafter.parameters()).dtype))[None]  # (1, T, H)
         mask = causal_mask(next_ids.shape[0], self.stable_length, next_ids.device)[None, None]
         hidden, logits, (k, v) = self.drafter(feature, next_ids[None], positions[None], self.stable, mask)
-        self.stable = (k, v) if self.stable is None else (torch.cat([self.stable[0], k], 2), torch.cat([self.stable[1], v], 2))
+        self.stable = (k, v) if self.stable is None else (torch.cat([self.stable[0], k], 2),
+                                                          torch.cat([self.stable[1], v], 2))
         self.draft = None
         return hidden[0], logits[0]
 
@@ -128,5 +129,6 @@ class EagerDrafter:
         prefix = torch.ones(ids.shape[0], self.stable_length, dtype=torch.bool, device=ids.device)
         mask = torch.cat([prefix, visible], dim=1)[None, None]  # (1, 1, k, S + E + k)
         out, logits, (k, v) = self.drafter(hidden[None], ids[None], positions[None], past, mask)
-        self.draft = (k, v) if self.draft is None else (torch.cat([self.draft[0], k], 2), torch.cat([self.draft[1], v], 2))
+        self.draft = (k, v) if self.draft is None else (torch.cat([self.draft[0], k], 2),
+                                                        torch.cat([self.draft[1], v], 2))
         return out[0], logits[0]

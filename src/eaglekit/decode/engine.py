@@ -78,7 +78,8 @@ def draft_size(options: DecodeOptions) -> int:
 
 
 def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor,
-          start: int | torch.Tensor, options: DecodeOptions, vocab_size: int, generator: torch.Generator | None) -> DraftTree:
+          start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
+          generator: torch.Generator | None) -> DraftTree:
     """Grow a chain or EAGLE-2 tree from the root. root_hidden (H,), root_logits (Vd,), root_token ().
 
     Every shape depends on `options` alone and nothing is read back to the host, so for deterministic
@@ -94,7 +95,8 @@ def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torc
     f_pool = torch.full((1,), -1, dtype=torch.long, device=device)  # pool index, -1 = root
     f_slot = torch.full((1,), -1, dtype=torch.long, device=device)  # drafter draft slot, -1 = root
     ancestry = torch.zeros(0, 0, dtype=torch.bool, device=device)
-    pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "parents": [], "depths": [], "q": [], "owner": []}
+    pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "parents": [], "depths": [], "q": [],
+                                           "owner": []}
     offset = 0
     for level in range(1, depth + 1):
         if sampled or sampled_tree:
@@ -140,14 +142,16 @@ def grow_tree(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: 
     return tree, ancestor_matrix(tree.parents, options.draft_depth)
 
 
-def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, options: DecodeOptions, generator) -> Verdict:
+def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, options: DecodeOptions,
+           generator) -> Verdict:
     """logits (N, V) of the target after each node, ancestors (N, N) -> accepted path and bonus token."""
     if options.temperature <= 0:
         return verify_greedy(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
     probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
     if tree.draft_probs is not None:  # a chain of sampled drafts
         return verify_sampled_chain(tree.tokens, probs, tree.draft_probs, generator)
-    return verify_sampled_tree(tree.tokens, tree.parents, ancestors, probs, generator, tree.child_probs, options.tree_top_k)
+    return verify_sampled_tree(tree.tokens, tree.parents, ancestors, probs, generator, tree.child_probs,
+                               options.tree_top_k)
 
 
 class _Output:
@@ -231,7 +235,8 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
             token = verdict.bonus_tensor[0]
             with record_function("eaglekit.extend"):
                 next_ids = torch.cat([tree.tokens[path[1:]], verdict.bonus_tensor])
-                hidden, draft_logits = drafter_backend.extend(aux[path], next_ids, m + torch.arange(len(verdict.path), device=device))
+                hidden, draft_logits = drafter_backend.extend(aux[path], next_ids,
+                                                              m + torch.arange(len(verdict.path), device=device))
             m += len(verdict.path)
     stats.decode_seconds = time.perf_counter() - start_time - stats.prefill_seconds
     return GenerateResult(tokens=out.tokens, finish_reason=out.finish_reason, stats=stats)

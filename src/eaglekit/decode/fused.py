@@ -43,10 +43,12 @@ class _State(nn.Module):
 
     def __init__(self, hidden: int, draft_vocab: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.register_buffer("hidden", torch.zeros(hidden, dtype=dtype, device=device), persistent=False)  # root's drafter state
+        # root's drafter state
+        self.register_buffer("hidden", torch.zeros(hidden, dtype=dtype, device=device), persistent=False)
         self.register_buffer("logits", torch.zeros(draft_vocab, dtype=dtype, device=device), persistent=False)
         self.register_buffer("token", torch.zeros((), dtype=torch.long, device=device), persistent=False)  # root token
-        self.register_buffer("length", torch.zeros((), dtype=torch.long, device=device), persistent=False)  # m, = stable
+        # m, = stable
+        self.register_buffer("length", torch.zeros((), dtype=torch.long, device=device), persistent=False)
 
 
 def tree_mask(columns: torch.Tensor, length: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,8 @@ class FusedStep:
         self.path = min(options.draft_depth, self.nodes - 1) + 1  # longest accepted path, bonus included
         self.capacity = min(target.capacity, drafter.capacity)
         self.options = fused_shape(options)
-        self.step = graphs.compiled(functools.partial(self._step, options=self.options, vocab_size=vocab_size), target.compile)
+        self.step = graphs.compiled(functools.partial(self._step, options=self.options, vocab_size=vocab_size),
+                                    target.compile)
         if target.compile:
             graphs.static_buffers(self.state)
         self._host = [torch.zeros(self.path + 1, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
@@ -105,7 +108,8 @@ class FusedStep:
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
         source = PreDrawn(draws)
-        tree, ancestors = grow_tree(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits, state.token,
+        tree, ancestors = grow_tree(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits,
+                                    state.token,
                                     m, options, vocab_size, source)
         n = tree.tokens.shape[0]
         offsets = torch.arange(n, device=m.device)
@@ -117,7 +121,8 @@ class FusedStep:
             order, count = offsets, accepted + 1
         else:  # greedy, or a sampled tree: each node's emitted token, walked like greedy (verify_sampled_tree)
             target_ids = (rejection_tree_tokens(tree.tokens, tree.parents,
-                                                logits_to_probs(logits, options.temperature, options.top_k, options.top_p),
+                                                logits_to_probs(logits, options.temperature, options.top_k,
+                                                                options.top_p),
                                                 tree.child_probs, options.tree_top_k, source)
                           if options.temperature > 0 else logits.argmax(-1))
             on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids)
@@ -127,7 +132,8 @@ class FusedStep:
         after = torch.cat([path[1:], path[:1]])  # (P,) the node after each path node (last row: a dummy)
         rows = torch.arange(self.path, device=m.device)
         new_tokens = torch.where(rows + 1 < count, tree.tokens[after], bonus)  # accepted drafts, then the bonus
-        hidden, draft_logits = drafter._extend(aux[path], new_tokens, m + rows, m)  # rows >= count are overwritten later
+        # rows >= count are overwritten later
+        hidden, draft_logits = drafter._extend(aux[path], new_tokens, m + rows, m)
         last = (count - 1).reshape(1)
         state.hidden.copy_(hidden.index_select(0, last)[0])
         state.logits.copy_(draft_logits.index_select(0, last)[0])

@@ -47,7 +47,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return attention_without_cudnn(q, k, v, mask, scale)
 
 
-def attention_without_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None):
+def attention_without_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                            scale: float | None = None):
     """`attention`'s eager path: K/V heads repeated to the query heads (query head h reads K/V head
     h // (nh / nkv), as `enable_gqa` does), then the memory-efficient kernel, or math where it cannot run."""
     if q.shape[1] != k.shape[1]:
@@ -68,7 +69,8 @@ def _find_rotary(model: nn.Module) -> nn.Module:
     for name, module in model.named_modules():
         if name.endswith("rotary_emb"):
             return module
-    raise EaglekitError(f"{type(model).__name__} has no rotary_emb module; the static fast path needs a RoPE model (use backend=eager)")
+    raise EaglekitError(f"{type(model).__name__} has no rotary_emb module; the static fast path needs a RoPE "
+                        "model (use backend=eager)")
 
 
 def _fuse_layer_weights(layer: nn.Module) -> bool:
@@ -122,10 +124,12 @@ class StaticLlama(nn.Module):
         for layer in stack.layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if attn is None or not all(hasattr(attn, n) for n in _NEEDED) or not hasattr(mlp, "gate_proj"):
-                raise EaglekitError(f"{type(model).__name__} is not a Llama-family dense model (attention with q/k/v/o_proj and a gated MLP); use backend=eager")
+                raise EaglekitError(f"{type(model).__name__} is not a Llama-family dense model (attention with "
+                                    "q/k/v/o_proj and a gated MLP); use backend=eager")
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         if window is not None and window < capacity:
-            raise EaglekitError(f"sliding-window attention ({window}) is not supported by the static fast path; use backend=eager")
+            raise EaglekitError(f"sliding-window attention ({window}) is not supported by the static fast "
+                                "path; use backend=eager")
         param = next(model.parameters())
         self.layers, self.norm = stack.layers, stack.norm
         self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -143,7 +147,8 @@ class StaticLlama(nn.Module):
         shape = (1, self.num_kv_heads, capacity, self.head_dim)  # (1, nkv, S, D)
         for i in range(len(self.layers)):
             for kind in ("k", "v"):
-                self.register_buffer(f"{kind}_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+                self.register_buffer(f"{kind}_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device),
+                                     persistent=False)
 
     def caches(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's key and value buffers, (1, nkv, S, D) each."""
@@ -168,7 +173,8 @@ class StaticLlama(nn.Module):
         gate, up = F.linear(x, mlp.gate_up_weight).chunk(2, dim=-1)  # (1, T, I) each
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
-    def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask, fixed_shape: bool) -> torch.Tensor:
+    def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos, sin, slots, mask,
+                   fixed_shape: bool) -> torch.Tensor:
         attn = layer.self_attn
         t = x.shape[1]
         q, k, v = self._qkv(attn, x)
@@ -195,7 +201,8 @@ class StaticLlama(nn.Module):
         """-> logits (T, V), aux states (T, 3H) in `aux_layers` order (None without aux layers)."""
         return self._forward(ids, positions, slots, mask, fixed_shape=True)
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor):
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                rows: torch.Tensor):
         """`forward` for any number of tokens (compiled once with a symbolic length; no cuDNN attention), logits
         only for `rows` (decoding asks for the prompt's last token, the one it goes on from)."""
         return self._forward(ids, positions, slots, mask, fixed_shape=False, rows=rows)
@@ -280,7 +287,8 @@ class StaticTarget:
             full = (self._columns < self.length).expand(t, -1).clone()  # the cached prefix, then the new tokens' mask
             full[:, self.length : self.length + t] = mask
             slots = torch.arange(self.length, self.length + t, device=self.device)
-            logits, aux = graphs.call_step(self.step if self.compile else self.net, self.compile, ids, positions, slots, full[None, None])
+            logits, aux = graphs.call_step(self.step if self.compile else self.net, self.compile, ids, positions, slots,
+                                           full[None, None])
         self.length += t
         self.last_length = t
         return (logits[-1:] if last_only else logits), aux
@@ -294,7 +302,8 @@ class StaticTarget:
         full[:t, :t] = mask
         slots = torch.arange(rows, device=self.device)
         keep = torch.full((1,), t - 1, device=self.device) if last_only else torch.arange(t, device=self.device)
-        logits, aux = self.prefill(_pad_rows(ids, rows), _pad_positions(positions, rows, self.capacity), slots, full[None, None], keep)
+        logits, aux = self.prefill(_pad_rows(ids, rows), _pad_positions(positions, rows, self.capacity), slots,
+                                   full[None, None], keep)
         return logits, None if aux is None else aux[:t]
 
     def keep(self, nodes: torch.Tensor) -> None:
@@ -320,7 +329,8 @@ class _StaticDraftNet(nn.Module):
         attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
         # q/k/v in one GEMM and gate/up in another: the same products with fewer kernels per draft level (copies
         # of the weights, taken when the backend is built)
-        self.register_buffer("qkv_weight", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), persistent=False)
+        self.register_buffer("qkv_weight", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                             persistent=False)
         self.register_buffer("gate_up_weight", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), persistent=False)
         shape = (1, self.num_kv_heads, capacity + draft_slots, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
@@ -386,7 +396,8 @@ class StaticDrafter:
         self.stable_length += t
         if stable == 0:  # padded like the target's prefill (`StaticTarget._prefill`)
             rows = _bucket(t, self.capacity, self.compile)
-            hidden, logits = self._prefill(_pad_rows(aux, rows), _pad_rows(next_ids, rows), _pad_positions(positions, rows, self.capacity))
+            hidden, logits = self._prefill(_pad_rows(aux, rows), _pad_rows(next_ids, rows),
+                                           _pad_positions(positions, rows, self.capacity))
             return hidden[:t], logits[:t]
         return self._extend(aux, next_ids, positions, stable)
 

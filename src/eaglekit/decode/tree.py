@@ -24,7 +24,8 @@ class DraftTree:
     tokens: torch.Tensor  # (N,) long, target vocabulary, root first
     parents: torch.Tensor  # (N,) long, -1 for the root
     depths: torch.Tensor  # (N,) long
-    draft_probs: torch.Tensor | None = None  # (N, V) distribution node i was drawn from (sampled chains); None = deterministic
+    # (N, V) distribution node i was drawn from (sampled chains); None = deterministic
+    draft_probs: torch.Tensor | None = None
     child_probs: torch.Tensor | None = None  # (N, V) distribution node i's children were drawn from (sampled trees)
 
     @property

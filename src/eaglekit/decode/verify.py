@@ -78,8 +78,10 @@ def verify_greedy(
 def child_table(parents: torch.Tensor, width: int) -> torch.Tensor:
     """(N,) parents -> (N, width): node index of each node's j-th child in node order, -1 where none."""
     n = parents.shape[0]
-    siblings_before = ((parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)).sum(1)
-    slot = torch.where((parents >= 0) & (siblings_before < width), parents * width + siblings_before, n * width)  # n * width: unused
+    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)  # (N, N): j < i
+    siblings_before = ((parents[:, None] == parents[None, :]) & earlier).sum(1)  # (N,)
+    # n * width: unused
+    slot = torch.where((parents >= 0) & (siblings_before < width), parents * width + siblings_before, n * width)
     table = torch.full((n * width + 1,), -1, dtype=torch.long, device=parents.device)
     return table.scatter(0, slot, torch.arange(n, device=parents.device))[:-1].view(n, width)
 
@@ -239,6 +241,7 @@ def verify_sampling(
         if chosen < 0:
             bonus = int(sample(residual, generator))
             return Verdict(path=path, tokens=[token_list[i] for i in path[1:]], bonus=bonus,
-                           path_tensor=torch.tensor(path, device=tokens.device), bonus_tensor=torch.tensor([bonus], device=tokens.device))
+                           path_tensor=torch.tensor(path, device=tokens.device),
+                           bonus_tensor=torch.tensor([bonus], device=tokens.device))
         node = kids[chosen]
         path.append(node)

@@ -34,7 +34,8 @@ def rope_parameters(text_config: Any) -> dict[str, Any]:
     return {**scaling, "rope_theta": float(getattr(text_config, "rope_theta", 10000.0))}
 
 
-def drafter_config_for(text_config: Any, draft_vocab_size: int, aux_layers: tuple[int, ...], target_name: str, architecture: str) -> DrafterConfig:
+def drafter_config_for(text_config: Any, draft_vocab_size: int, aux_layers: tuple[int, ...], target_name: str,
+                       architecture: str) -> DrafterConfig:
     """A drafter shaped like one layer of the target (hidden, heads, MLP width, RoPE, vocabulary)."""
     hidden = int(text_config.hidden_size)
     heads = int(text_config.num_attention_heads)
@@ -150,11 +151,12 @@ def with_vocab(drafter: Eagle3Drafter, mapping: VocabMapping, seed: int) -> tupl
 
 def check_against_target(config: DrafterConfig, text_config: Any, source: str) -> None:
     if config.target_hidden_size != int(text_config.hidden_size):
-        raise EaglekitError(f"{source} was made for a target with hidden size {config.target_hidden_size}, this target has "
-                            f"{text_config.hidden_size}: use a drafter trained for this target, or start without init_from")
+        raise EaglekitError(f"{source} was made for a target with hidden size "
+                            f"{config.target_hidden_size}, this target has {text_config.hidden_size}: use a drafter "
+                            "trained for this target, or start without init_from")
     if config.vocab_size != int(text_config.vocab_size):
-        raise EaglekitError(f"{source} was made for a vocabulary of {config.vocab_size}, this target has {text_config.vocab_size}: "
-                            "wrong target or drafter")
+        raise EaglekitError(f"{source} was made for a vocabulary of {config.vocab_size}, this target has "
+                            f"{text_config.vocab_size}: wrong target or drafter")
 
 
 def normal_init(drafter: Eagle3Drafter, std: float) -> None:
@@ -177,11 +179,13 @@ def prepare_drafter(
     """The drafter to train and a note on where its vocabulary came from."""
     vocab = load_vocab(options.vocab) if options.vocab else None
     if vocab is not None and vocab.vocab_size != int(text_config.vocab_size):
-        raise EaglekitError(f"{options.vocab} covers a vocabulary of {vocab.vocab_size}, the target has {text_config.vocab_size}")
+        raise EaglekitError(f"{options.vocab} covers a vocabulary of {vocab.vocab_size}, the target has "
+                            f"{text_config.vocab_size}")
     if not options.init_from:
         torch.manual_seed(options.seed)
         mapping = vocab or select_vocab(count_tokens_fn(), options.draft_vocab_size)
-        config = drafter_config_for(text_config, int(mapping.used_ids.numel()), aux_layers, options.target, architecture)
+        config = drafter_config_for(text_config, int(mapping.used_ids.numel()), aux_layers, options.target,
+                                    architecture)
         arch = mla.architecture_fields(options, text_config)  # drafter_arch=mla: the MLA dims
         drafter = Eagle3Drafter(dataclasses.replace(config, **requested_variant(options), **arch))
         if options.init_std > 0:
@@ -194,24 +198,28 @@ def prepare_drafter(
     mla.check_init_from(options, drafter.config, options.init_from)
     lacking = [flag for flag in requested_variant(options) if not getattr(drafter.config, flag)]
     if lacking:
-        raise EaglekitError(f"{', '.join(f'{flag}=true' for flag in lacking)}: init_from={options.init_from} is a drafter "
-                            "without it, and fine-tuning keeps the drafter's variant; drop the option, or train a fresh drafter")
+        raise EaglekitError(f"{', '.join(f'{flag}=true' for flag in lacking)}: "
+                            f"init_from={options.init_from} is a drafter without it, and fine-tuning keeps the "
+                            "drafter's variant; drop the option, or train a fresh drafter")
     from eaglekit.target.capture import to_input_convention
 
     own = to_input_convention(drafter.config.aux_layer_ids, drafter.config.aux_layer_convention)
     if options.aux_layer_ids and tuple(options.aux_layer_ids) != tuple(own):
-        raise EaglekitError(f"aux_layer_ids={list(options.aux_layer_ids)} differ from {options.init_from}'s layers {list(own)} "
-                            f"({INPUT_OF_LAYER} ids); drop aux_layer_ids= to keep the drafter's")
+        raise EaglekitError(f"aux_layer_ids={list(options.aux_layer_ids)} differ from "
+                            f"{options.init_from}'s layers {list(own)} ({INPUT_OF_LAYER} ids); drop aux_layer_ids= "
+                            "to keep the drafter's")
     current = mapping_from_drafter(drafter)
     if vocab is None and options.rebuild_vocab:
         vocab = select_vocab(count_tokens_fn(), options.draft_vocab_size)
     if vocab is None or torch.equal(vocab.used_ids, current.used_ids):
         return drafter, f"kept from {options.init_from}"
     if not options.rebuild_vocab:
-        raise EaglekitError(f"vocab={options.vocab} differs from the mapping of init_from={options.init_from}; fine-tuning keeps the "
-                            "drafter's mapping: drop vocab=, or pass rebuild_vocab=true to remap its lm_head rows to the new one")
+        raise EaglekitError(f"vocab={options.vocab} differs from the mapping of init_from={options.init_from}; "
+                            "fine-tuning keeps the drafter's mapping: drop vocab=, or pass rebuild_vocab=true to remap "
+                            "its lm_head rows to the new one")
     drafter, kept = with_vocab(drafter, vocab, options.seed)
-    log.warning("draft vocabulary rebuilt: %d of %d lm_head rows carried over, the rest initialised fresh", kept, vocab.used_ids.numel())
+    log.warning("draft vocabulary rebuilt: %d of %d lm_head rows carried over, the rest initialised fresh", kept,
+                vocab.used_ids.numel())
     return drafter, f"rebuilt ({kept} rows carried over from {options.init_from})"
 
 

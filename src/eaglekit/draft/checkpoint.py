@@ -76,7 +76,8 @@ def latest_checkpoint(directory: Path) -> Path | None:
         return None
     path = directory / json.loads(pointer.read_text())["path"]
     if not (path / "trainer.pt").is_file():
-        raise EaglekitError(f"{pointer} names {path}, which is incomplete; delete {pointer} to resume from an older checkpoint")
+        raise EaglekitError(f"{pointer} names {path}, which is incomplete; delete {pointer} to resume "
+                            "from an older checkpoint")
     return path
 
 

@@ -36,7 +36,8 @@ class Batch:
 
 
 # --- records ------------------------------------------------------------------------------------
-def conversation_records(paths: tuple[str, ...], tokenizer: Any, max_length: int, chat_template: str = "") -> list[dict[str, Any]]:
+def conversation_records(paths: tuple[str, ...], tokenizer: Any, max_length: int,
+                         chat_template: str = "") -> list[dict[str, Any]]:
     """Tokenised conversations with at least one assistant token: {"id", "input_ids" (T,), "loss_mask" (T,)}."""
     from eaglekit.data import read_conversations, tokenize_conversations
 
@@ -62,7 +63,8 @@ def shard_tokens(dataset: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
                                 "re-run extract to rebuild it") from None
         out.extend((ids[a:b].long(), mask[a:b].bool()) for a, b in zip(offsets[:-1], offsets[1:]))
     if len(out) != len(dataset):
-        raise EaglekitError(f"{dataset.directory}: shards hold {len(out)} records, the manifest lists {len(dataset)}; re-run extract")
+        raise EaglekitError(f"{dataset.directory}: shards hold {len(out)} records, the manifest lists "
+                            f"{len(dataset)}; re-run extract")
     return out
 
 
@@ -74,7 +76,8 @@ def split_indices(count: int, val_fraction: float, seed: int) -> tuple[list[int]
     return sorted(order[num_val:]), sorted(order[:num_val])
 
 
-def epoch_batches(indices: list[int], lengths: list[int], batch_size: int, world_size: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_batches(indices: list[int], lengths: list[int], batch_size: int, world_size: int, seed: int,
+                  epoch: int) -> list[list[int]]:
     """Global batches (batch_size * world_size records each) for one epoch: shuffled, length-bucketed
     within pools of POOL_BATCHES batches, incomplete last batch dropped. Rank r takes `batch[r::world]`."""
     size = batch_size * world_size
@@ -97,7 +100,8 @@ def mean_mask_counts(tokens: list[tuple[torch.Tensor, torch.Tensor]], indices: l
         return torch.zeros(num_steps)
     masks = [tokens[i][1][:max_length].bool() for i in indices]
     total = sum(int(m.sum()) for m in masks)
-    head = pad_stack([m[: num_steps + 1] for m in masks], num_steps + 1, False).long().cumsum(1)  # (N, K+1) ones among the first j+1
+    # (N, K+1) ones among the first j+1
+    head = pad_stack([m[: num_steps + 1] for m in masks], num_steps + 1, False).long().cumsum(1)
     return (total - head[:, 1:].sum(0)).float() / len(indices)
 
 
@@ -140,7 +144,8 @@ class OfflineSource:
         final = pad_stack([r["final"] for r in cut], t).to(device)  # (B, T, H)
         weight = self.lm_head_weight.to(device)
         probs, in_vocab = soft_labels_from_hidden(final.to(weight.dtype), weight, self.t2d.to(device))
-        return Batch(pad_stack([r["input_ids"] for r in cut], t).to(device), pad_stack([r["loss_mask"] for r in cut], t, False).to(device),
+        return Batch(pad_stack([r["input_ids"] for r in cut], t).to(device),
+                     pad_stack([r["loss_mask"] for r in cut], t, False).to(device),
                      aux, probs, in_vocab)
 
 
@@ -163,7 +168,8 @@ class OnlineSource:
         t = padded_length(max(min(len(r["input_ids"]), self.max_length) for r in rows), pad_to_multiple)
         input_ids = pad_stack([r["input_ids"][: self.max_length] for r in rows], t).to(device)
         loss_mask = pad_stack([r["loss_mask"][: self.max_length] for r in rows], t, False).to(device)
-        attention = pad_stack([torch.ones(min(len(r["input_ids"]), self.max_length), dtype=torch.long) for r in rows], t).to(device)
+        attention = pad_stack([torch.ones(min(len(r["input_ids"]), self.max_length), dtype=torch.long) for r in rows],
+                              t).to(device)
         self.capture.reset()
         try:  # the soft labels come from the captured final state: skip the target's own (B, T, V) logits
             self.target(input_ids=input_ids, attention_mask=attention, use_cache=False, logits_to_keep=1)

@@ -52,8 +52,8 @@ def check_mla_config(config: DrafterConfig) -> None:
         raise EaglekitError(f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)")
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
-        raise EaglekitError(f"the MLA drafter implements rope_type {' or '.join(ROPE_TYPES)}, the config has {rope_type!r}; "
-                            "set rope_parameters to one of those")
+        raise EaglekitError(f"the MLA drafter implements rope_type {' or '.join(ROPE_TYPES)}, the "
+                            f"config has {rope_type!r}; set rope_parameters to one of those")
 
 
 # --- RoPE -----------------------------------------------------------------------------------
@@ -100,7 +100,8 @@ class MLARotaryEmbedding(nn.Module):
         if params.get("rope_type", "default") == "yarn":
             inverse = yarn_inverse_frequencies(params, dim)
         else:
-            inverse = 1.0 / float(params.get("rope_theta", 10000.0)) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+            theta = float(params.get("rope_theta", 10000.0))
+            inverse = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         # a plain attribute, not a buffer: a model-wide .to(bfloat16) must not round the frequencies
         self.inverse_frequencies = inverse  # (R/2,) fp32
         self.magnitude = rope_scales(params)[0]
@@ -129,7 +130,8 @@ class MLAAttention(nn.Module):
         check_mla_config(config)
         h, eps = config.hidden_size, config.rms_norm_eps
         self.num_heads = config.num_attention_heads
-        self.nope_dim, self.rope_dim, self.value_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.nope_dim, self.rope_dim, self.value_dim = (config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                                        config.v_head_dim)
         self.latent_dim = config.kv_lora_rank
         self.q_a_proj = nn.Linear(2 * h, config.q_lora_rank, bias=False)
         self.q_a_layernorm = LlamaRMSNorm(config.q_lora_rank, eps=eps)
@@ -213,13 +215,15 @@ def architecture_fields(options: Any, text_config: Any) -> dict[str, Any]:
     missing = [name for name, value in dims.items() if not value]
     if missing:
         raise EaglekitError(f"drafter_arch=mla: the target has no MLA config to take {', '.join(missing)} from; set "
-                            f"{' '.join(f'{name}=N' for name in missing)} (DeepSeek-V3: q_lora_rank=1536 kv_lora_rank=512 "
-                            "qk_nope_head_dim=128 qk_rope_head_dim=64 v_head_dim=128)")
+                            f"{' '.join(f'{name}=N' for name in missing)} (DeepSeek-V3: "
+                            "q_lora_rank=1536 kv_lora_rank=512 qk_nope_head_dim=128 "
+                            "qk_rope_head_dim=64 v_head_dim=128)")
     return {"drafter_arch": ARCH, **dims}
 
 
 def check_init_from(options: Any, config: DrafterConfig, source: str) -> None:
     """Fine-tuning keeps the drafter's midlayer: asking for mla on a drafter of another architecture is refused."""
     if getattr(options, "drafter_arch", "llama") == ARCH and config.drafter_arch != ARCH:
-        raise EaglekitError(f"drafter_arch=mla: init_from={source} is a {config.drafter_arch} drafter, and fine-tuning keeps "
-                            "its architecture; drop drafter_arch=, or train a fresh MLA drafter without init_from")
+        raise EaglekitError(f"drafter_arch=mla: init_from={source} is a {config.drafter_arch} drafter, "
+                            "and fine-tuning keeps its architecture; drop drafter_arch=, or train a fresh MLA "
+                            "drafter without init_from")

@@ -86,12 +86,13 @@ class DrafterConfig:
         if self.aux_layer_convention not in (INPUT_OF_LAYER, OUTPUT_OF_LAYER):
             raise EaglekitError(f"aux_layer_convention must be '{INPUT_OF_LAYER}' or '{OUTPUT_OF_LAYER}'")
         if self.draft_vocab_size > self.vocab_size:
-            raise EaglekitError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}")
+            raise EaglekitError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target "
+                                f"vocabulary {self.vocab_size}")
         if len(self.aux_layer_ids) != 3:
             raise EaglekitError(f"EAGLE-3 fuses exactly 3 target layers, got aux_layer_ids={self.aux_layer_ids}")
         if self.fc_norm and self.norm_before_fc:
-            raise EaglekitError("fc_norm and norm_before_fc are mutually exclusive (one norm per aux chunk, or one over "
-                                "their concatenation): set one of them to false")
+            raise EaglekitError("fc_norm and norm_before_fc are mutually exclusive (one norm per "
+                                "aux chunk, or one over their concatenation): set one of them to false")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -123,7 +124,8 @@ class DrafterConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names - {"format", "architectures"}
         if unknown:
-            raise EaglekitError(f"drafter config has unknown keys {sorted(unknown)}; is it an eaglekit drafter? (use `eaglekit import` for other formats)")
+            raise EaglekitError(f"drafter config has unknown keys {sorted(unknown)}; is it an eaglekit drafter? (use "
+                                "`eaglekit import` for other formats)")
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["aux_layer_ids"] = tuple(kwargs["aux_layer_ids"])
         return cls(**kwargs)
@@ -280,7 +282,8 @@ class Eagle3Drafter(nn.Module):
         """Install the draft vocabulary: `used_ids` (Vd,) target ids, sorted ascending."""
         used_ids = used_ids.to(torch.long).cpu()
         if used_ids.numel() != self.config.draft_vocab_size:
-            raise EaglekitError(f"vocab mapping has {used_ids.numel()} ids, drafter expects {self.config.draft_vocab_size}")
+            raise EaglekitError(f"vocab mapping has {used_ids.numel()} ids, drafter expects "
+                                f"{self.config.draft_vocab_size}")
         if not bool((used_ids[1:] > used_ids[:-1]).all()):
             raise EaglekitError("draft vocabulary ids must be unique and sorted ascending")
         self.d2t.copy_(used_ids - torch.arange(used_ids.numel()))
@@ -329,8 +332,9 @@ class Eagle3Drafter(nn.Module):
         """Copy the target's input embedding (V, H) into the frozen `embed_tokens`."""
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise EaglekitError(
-                f"target embedding has shape {tuple(weight.shape)}, drafter expects {tuple(self.embed_tokens.weight.shape)}: "
-                "the drafter was made for another target (vocab or hidden size differ)"
+                f"target embedding has shape {tuple(weight.shape)}, drafter expects "
+                f"{tuple(self.embed_tokens.weight.shape)}: the drafter was made for another target (vocab "
+                "or hidden size differ)"
             )
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
@@ -339,7 +343,8 @@ class Eagle3Drafter(nn.Module):
         """Set `lm_head` to the target's lm_head (V, H) rows of the draft vocabulary (`set_vocab_mapping` first)."""
         if tuple(weight.shape) != (self.config.vocab_size, self.lm_head.weight.shape[1]):
             raise EaglekitError(f"target lm_head has shape {tuple(weight.shape)}, drafter expects "
-                                f"({self.config.vocab_size}, {self.lm_head.weight.shape[1]}): the drafter was made for another target")
+                                f"({self.config.vocab_size}, {self.lm_head.weight.shape[1]}): the drafter was "
+                                "made for another target")
         used_ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
         with torch.no_grad():
             self.lm_head.weight.copy_(weight[used_ids.to(weight.device)].to(self.lm_head.weight))
@@ -355,22 +360,26 @@ class Eagle3Drafter(nn.Module):
             state.pop("embed_tokens.weight")
         with atomic_path(directory / "model.safetensors") as tmp:
             save_file(state, str(tmp), metadata={"format": FORMAT})
-        atomic_write_json(directory / "config.json", {"format": FORMAT, "architectures": ["Eagle3Drafter"], **self.config.to_dict()})
+        atomic_write_json(directory / "config.json",
+                          {"format": FORMAT, "architectures": ["Eagle3Drafter"], **self.config.to_dict()})
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Eagle3Drafter:
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> Eagle3Drafter:
         """Load an eaglekit-format drafter. A missing `embed_tokens.weight` stays zero: call `load_target_embedding`."""
         directory = Path(directory)
         config_path, weights_path = directory / "config.json", directory / "model.safetensors"
         if not config_path.is_file() or not weights_path.is_file():
-            raise EaglekitError(f"{directory} is not an eaglekit drafter (needs config.json and model.safetensors); use `eaglekit import` for EAGLE, SGLang, vLLM or speculators checkpoints")
+            raise EaglekitError(f"{directory} is not an eaglekit drafter (needs config.json and model.safetensors); "
+                                "use `eaglekit import` for EAGLE, SGLang, vLLM or speculators checkpoints")
         try:
             data = json.loads(config_path.read_text())
         except json.JSONDecodeError as error:
             raise EaglekitError(f"{config_path} is not valid JSON ({error}); re-run the stage that wrote it") from None
         if data.get("format") != FORMAT:
-            raise EaglekitError(f"{config_path} is not in eaglekit format; convert it with `eaglekit import --source {directory}`")
+            raise EaglekitError(f"{config_path} is not in eaglekit format; convert it with `eaglekit import "
+                                f"--source {directory}`")
         config = DrafterConfig.from_dict(data)
         with torch.device("meta"):
             model = cls(config)
@@ -382,7 +391,8 @@ class Eagle3Drafter(nn.Module):
         missing = set(model.state_dict()) - set(state) - {"embed_tokens.weight"}
         unexpected = set(state) - set(model.state_dict())
         if missing or unexpected:
-            raise EaglekitError(f"{weights_path}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+            raise EaglekitError(f"{weights_path}: missing tensors {sorted(missing)}, unexpected tensors "
+                                f"{sorted(unexpected)}")
         if "embed_tokens.weight" not in state:
             state["embed_tokens.weight"] = torch.zeros(config.vocab_size, config.hidden_size)
         model.load_state_dict(state, assign=True, strict=True)

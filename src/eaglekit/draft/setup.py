@@ -28,13 +28,15 @@ def _check(config: Any, world: int) -> None:
     if not config.target:
         raise EaglekitError("no target: pass target=PATH (the model the drafter serves), or target=tiny")
     if bool(config.shards) == bool(config.data):
-        raise EaglekitError("give exactly one data source: shards=DIR (offline, from `eaglekit extract`) or data=FILES (online)")
+        raise EaglekitError("give exactly one data source: shards=DIR (offline, from `eaglekit extract`) "
+                            "or data=FILES (online)")
     if config.device_map and config.shards:
-        raise EaglekitError(f"device_map={config.device_map} places the target for online training; offline training (shards=) "
-                            "never loads the target: drop device_map")
+        raise EaglekitError(f"device_map={config.device_map} places the target for online training; "
+                            "offline training (shards=) never loads the target: drop device_map")
     if config.device_map and world > 1:
-        raise EaglekitError(f"device_map={config.device_map} spreads ONE target over the GPUs of one process, but this is one of "
-                            f"{world} torchrun processes: run train as a single process (no torchrun), or drop device_map")
+        raise EaglekitError(f"device_map={config.device_map} spreads ONE target over the GPUs of one "
+                            f"process, but this is one of {world} torchrun processes: run train as a single process "
+                            "(no torchrun), or drop device_map")
     if config.device_map:
         import importlib.util
 
@@ -45,13 +47,14 @@ def _check(config: Any, world: int) -> None:
     if config.init_std < 0:
         raise EaglekitError(f"init_std must be >= 0 (0 = torch's default initialisation), got {config.init_std}")
     if config.init_std > 0 and config.init_from:
-        raise EaglekitError(f"init_std={config.init_std} initialises a fresh drafter, but init_from={config.init_from} brings its "
-                            "own weights: drop one of them")
+        raise EaglekitError(f"init_std={config.init_std} initialises a fresh drafter, but "
+                            f"init_from={config.init_from} brings its own weights: drop one of them")
     if config.fc_norm and config.norm_before_fc:
-        raise EaglekitError("fc_norm and norm_before_fc are mutually exclusive (one norm per aux state, or one over their "
-                            "concatenation): set one of them to false")
+        raise EaglekitError("fc_norm and norm_before_fc are mutually exclusive (one norm per aux "
+                            "state, or one over their concatenation): set one of them to false")
     if config.resume is False and (Path(config.output) / "checkpoints" / "latest.json").is_file():
-        raise EaglekitError(f"{config.output} holds checkpoints of an earlier run: pass resume=true to continue it, or use a new output")
+        raise EaglekitError(f"{config.output} holds checkpoints of an earlier run: pass resume=true to continue "
+                            "it, or use a new output")
 
 
 def _tokenizer_hash(config: Any) -> str | None:
@@ -90,18 +93,21 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
         tokens = shard_tokens(dataset)
         embed, head = load_target_embeddings(config.target, config.trust_remote_code)
     else:
-        target = load_target(config.target, d.device, resolve_dtype("auto", d.device), trust_remote_code=config.trust_remote_code,
+        target = load_target(config.target, d.device, resolve_dtype("auto", d.device),
+                             trust_remote_code=config.trust_remote_code,
                              device_map=config.device_map or None)
         tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
         records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template)
         if not records:
-            raise EaglekitError(f"no assistant tokens in DATA: {', '.join(config.data)}: no conversation has an assistant "
-                                "answer to learn from after the chat template; check the roles with `eaglekit inspect "
-                                f"{config.data[0]} target={config.target}` (or pass chat_template=)")
+            raise EaglekitError(f"no assistant tokens in DATA: {', '.join(config.data)}: no "
+                                "conversation has an assistant answer to learn from after the chat template; check the "
+                                f"roles with `eaglekit inspect {config.data[0]} target={config.target}` (or "
+                                "pass chat_template=)")
         tokens = [(r["input_ids"], r["loss_mask"]) for r in records]
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
-    aux_layers = tuple(config.aux_layer_ids) or (() if config.init_from else default_aux_layers(int(tc.num_hidden_layers)))
+    aux_layers = tuple(config.aux_layer_ids) or (() if config.init_from
+                                                 else default_aux_layers(int(tc.num_hidden_layers)))
     drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts, read_drafter)
     if config.init_from:
         check_drafter_target(drafter.config, target_config, config.init_from, config.target)
@@ -114,18 +120,21 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
     if config.shards:
         dataset.validate(hidden_size=int(tc.hidden_size), aux_layer_ids=aux_input, aux_layer_convention=INPUT_OF_LAYER,
                          tokenizer_hash=_tokenizer_hash(config), target_config_hash=target_config_hash(target_config))
-        head = head.detach().to(d.device, torch.float32 if d.device.type == "cpu" else head.dtype)  # no bf16 matmuls on CPU
+        # no bf16 matmuls on CPU
+        head = head.detach().to(d.device, torch.float32 if d.device.type == "cpu" else head.dtype)
         source: Any = OfflineSource(dataset, tokens, head, drafter.t2d, config.max_length)
     else:
         capture = stack.enter_context(HiddenStateCapture(target, aux_input))
         source = OnlineSource(records, target, capture, drafter.t2d, config.max_length)
-    identity = {"target": config.target, "target_architecture": architecture, "target_config_hash": target_config_hash(target_config),
+    identity = {"target": config.target, "target_architecture": architecture,
+                "target_config_hash": target_config_hash(target_config),
                 "mode": "offline" if config.shards else "online", "aux_layer_ids": list(aux_input),
                 "aux_layer_convention": INPUT_OF_LAYER, "vocab": vocab_note, "init_from": config.init_from or None}
     return drafter, source, identity
 
 
-def finish(config: Any, trainer: Any, state: dict[str, torch.Tensor], identity: dict[str, Any], result: dict[str, Any]) -> None:
+def finish(config: Any, trainer: Any, state: dict[str, torch.Tensor], identity: dict[str, Any],
+           result: dict[str, Any]) -> None:
     """Write the final drafter, its vocabulary and the manifest (last) into `output`."""
     from eaglekit.config import to_dict
     from eaglekit.manifest import file_sha256, write_manifest

@@ -34,7 +34,8 @@ from eaglekit.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 # options that change neither the data order nor the math: a run may resume with other values
-RESUME_IGNORED = ("resume", "overwrite", "log_every", "val_every", "save_every", "keep_checkpoints", "compile", "device", "device_map",
+RESUME_IGNORED = ("resume", "overwrite", "log_every", "val_every", "save_every", "keep_checkpoints", "compile",
+                  "device", "device_map",
                   "pad_to_multiple")
 AUTO_PAD_CUDA = 128  # pad_to_multiple=0 on CUDA: at most max_length/128 distinct lengths reach the kernels
 
@@ -92,14 +93,16 @@ def summarize(sums: torch.Tensor, decay: float) -> dict[str, Any]:
     loss_k = (loss_sums / train_counts.clamp(min=1)).tolist()
     acc_k = (correct / acc_counts.clamp(min=1)).tolist()
     loss = float((step_weights(len(loss_k), decay).double() * torch.tensor(loss_k)).sum())
-    return {"loss": loss, "loss_k": loss_k, "acc_k": acc_k, "tau": expected_acceptance(acc_k), "tokens": int(acc_counts[0])}
+    return {"loss": loss, "loss_k": loss_k, "acc_k": acc_k, "tau": expected_acceptance(acc_k),
+            "tokens": int(acc_counts[0])}
 
 
 def pad_multiple(option: int, device: torch.device) -> int:
     """The `pad_to_multiple` option resolved: 0 = AUTO_PAD_CUDA on CUDA (bounded shapes for compiled kernels),
     1 (no extra padding) elsewhere."""
     if option < 0:
-        raise EaglekitError(f"pad_to_multiple={option}: use 0 (auto), 1 (no extra padding) or a positive multiple such as 128")
+        raise EaglekitError(f"pad_to_multiple={option}: use 0 (auto), 1 (no extra padding) or a positive "
+                            "multiple such as 128")
     return option or (AUTO_PAD_CUDA if device.type == "cuda" else 1)
 
 
@@ -128,13 +131,15 @@ class Trainer:
         self.amp = _amp_dtype(config.dtype, d.device)
         self.pad_to = pad_multiple(config.pad_to_multiple, d.device)
         self.train_idx, self.val_idx = split_indices(len(source), config.val_fraction, config.split_seed)
-        self.micro_batches = len(epoch_batches(self.train_idx, source.lengths, config.batch_size, d.world, config.seed, 0))
+        self.micro_batches = len(epoch_batches(self.train_idx, source.lengths, config.batch_size, d.world, config.seed,
+                                               0))
         if self.micro_batches == 0:
-            raise EaglekitError(f"{len(self.train_idx)} training records are fewer than one batch of {config.batch_size * d.world} "
-                                f"(batch_size x processes); lower batch_size or add data")
+            raise EaglekitError(f"{len(self.train_idx)} training records are fewer than one batch of "
+                                f"{config.batch_size * d.world} (batch_size x processes); lower batch_size or add data")
         self.steps_per_epoch = math.ceil(self.micro_batches / config.grad_accum)
         # step_weighting=tokens: loss sums are divided by the mean count of a global micro-batch, not by its own
-        self.record_counts = (mean_mask_counts(source.tokens, self.train_idx, config.max_length, config.ttt_steps).to(d.device)
+        self.record_counts = (mean_mask_counts(source.tokens, self.train_idx, config.max_length,
+                                               config.ttt_steps).to(d.device)
                               if config.step_weighting == "tokens" else None)
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
         if d.main:
@@ -147,30 +152,35 @@ class Trainer:
             drafter.load_state_dict(state)
         self.module = self._wrap(drafter)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas),
+                                           weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, functools.partial(lr_factor, warmup=self.warmup, total=self.total_steps, min_ratio=config.min_lr_ratio))
+            self.optimizer, functools.partial(lr_factor, warmup=self.warmup, total=self.total_steps,
+                                              min_ratio=config.min_lr_ratio))
         if resume_from is not None:
             self._restore(resume_from)
 
     def _schedule_note(self) -> str:
         c, per_epoch = self.config, self.steps_per_epoch
         if c.max_steps:
-            return (f"max_steps={c.max_steps} decides (epochs={c.epochs} is ignored): {c.max_steps / per_epoch:.1f} passes "
-                    f"over {len(self.train_idx)} training records at {per_epoch} steps each")
+            return (f"max_steps={c.max_steps} decides (epochs={c.epochs} is ignored): "
+                    f"{c.max_steps / per_epoch:.1f} passes over {len(self.train_idx)} training records at "
+                    f"{per_epoch} steps each")
         return f"{c.epochs} epoch(s) x {per_epoch} steps over {len(self.train_idx)} training records"
 
     # --- setup --------------------------------------------------------------------------------
     def _wrap(self, drafter: Eagle3Drafter) -> nn.Module:
         attention = self.config.attention if self.config.attention != "auto" else "sdpa"
-        module: nn.Module = TTTModule(drafter.to(self.d.device), self.config.ttt_steps, self.config.step_decay, attention)
+        module: nn.Module = TTTModule(drafter.to(self.d.device), self.config.ttt_steps, self.config.step_decay,
+                                      attention)
         if self.d.world > 1 and self.config.distributed == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
             fully_shard(drafter.midlayer)
             fully_shard(module)
         elif self.d.world > 1:
-            module = nn.parallel.DistributedDataParallel(module, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
+            module = nn.parallel.DistributedDataParallel(module, device_ids=[self.d.device]
+                                                         if self.d.device.type == "cuda" else None)
         return torch.compile(module) if self.config.compile else module
 
     def _resume_point(self) -> Path | None:
@@ -185,18 +195,20 @@ class Trainer:
         state = ckpt.load_trainer_state(path)
         wanted = config_hash(self.config, exclude=RESUME_IGNORED)
         if state["config_hash"] != wanted or state["world"] != self.d.world:
-            raise EaglekitError(f"{path} was written by a run with other settings (config or number of processes); resume with the "
-                                "same config, or train into a new output directory")
+            raise EaglekitError(f"{path} was written by a run with other settings (config or number of "
+                                "processes); resume with the same config, or train into a new output directory")
         if self.config.distributed == "fsdp" and self.d.world > 1:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         self.position = Position(**state["position"])
-        log.info("resumed from %s (epoch %d, batch %d, step %d)", path, self.position.epoch, self.position.batch, self.position.step)
+        log.info("resumed from %s (epoch %d, batch %d, step %d)", path, self.position.epoch, self.position.batch,
+                 self.position.step)
 
     # --- one optimizer step -------------------------------------------------------------------
     def _micro(self, indices: list[int], scale: float, sync: bool) -> torch.Tensor:
@@ -225,9 +237,9 @@ class Trainer:
         for name in ("loss", "grad_norm"):  # checked before the update: weights and checkpoints stay good
             if not math.isfinite(metrics[name]):
                 good = ckpt.latest_checkpoint(self.checkpoints)
-                raise EaglekitError(f"the {name.replace('_', ' ')} became {metrics[name]} at step {self.position.step + 1}; stopped "
-                                    f"without applying it. Last good checkpoint: {good or 'none yet'}. Lower lr or check the data, "
-                                    "then resume=true")
+                raise EaglekitError(f"the {name.replace('_', ' ')} became {metrics[name]} at step "
+                                    f"{self.position.step + 1}; stopped without applying it. Last good checkpoint: "
+                                    f"{good or 'none yet'}. Lower lr or check the data, then resume=true")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -278,7 +290,8 @@ class Trainer:
         if pos.step % max(1, self.config.log_every) == 0 or pos.step == self.total_steps:
             self._write_metrics(metrics)
             if bar.disable and self.d.main:  # no terminal (a log file, CI): a line every log_every steps instead
-                log.info("step %d/%d (epoch %d): loss %.3f, acc@1 %.3f, %.0f tokens/s, ETA %s", pos.step, self.total_steps,
+                log.info("step %d/%d (epoch %d): loss %.3f, acc@1 %.3f, %.0f tokens/s, ETA %s", pos.step,
+                         self.total_steps,
                          pos.epoch + 1, metrics["loss"], metrics["acc_k"][0], metrics["tokens_per_s"], self._eta())
 
     def _eta(self) -> str:
@@ -354,7 +367,8 @@ class Trainer:
         if self.d.world > 1 and self.config.distributed == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return get_optimizer_state_dict(self.module, self.optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return self.optimizer.state_dict()
 
 

@@ -44,7 +44,8 @@ def probe_logits(drafter: Eagle3Drafter, seed: int = 0, length: int = 8) -> torc
 
 def compare_drafters(reference: Eagle3Drafter, candidate: Eagle3Drafter, what: str) -> float:
     """Max abs logit difference on the probe; raises when the drafters differ in behaviour."""
-    if not torch.equal(reference.d2t.cpu(), candidate.d2t.cpu()) or not torch.equal(reference.t2d.cpu(), candidate.t2d.cpu()):
+    if (not torch.equal(reference.d2t.cpu(), candidate.d2t.cpu())
+            or not torch.equal(reference.t2d.cpu(), candidate.t2d.cpu())):
         raise EaglekitError(f"{what}: the vocabulary mapping (d2t/t2d) changed on the round trip")
     ref_ids = to_input(reference.config)
     if ref_ids != to_input(candidate.config):
@@ -68,7 +69,8 @@ def _export_state(drafter: Eagle3Drafter, dtype: torch.dtype, include_embedding:
     embedding = state.get("embed_tokens.weight")
     if not include_embedding or embedding is None or not bool(embedding.any()):
         if include_embedding and embedding is not None:
-            log.warning("the drafter's embedding is all zeros (never loaded): leaving it out, the engine uses the target's")
+            log.warning("the drafter's embedding is all zeros (never loaded): leaving it out, the "
+                        "engine uses the target's")
         state.pop("embed_tokens.weight", None)
     if drafter.config.draft_vocab_size == drafter.config.vocab_size:
         # the full vocabulary: d2t is all zeros (identity), and vLLM's eagle3 loader has no parameter to put it in
@@ -105,10 +107,12 @@ def export_drafter(drafter: Eagle3Drafter, output: str | Path, fmt: str, dtype: 
     input_ids = list(to_input(config))
     warnings = []
     if config.target_num_layers and tuple(input_ids) != engine_aux_layers(config.target_num_layers):
-        warnings.append(f"aux layers {input_ids} are not the engine default {list(engine_aux_layers(config.target_num_layers))}: "
-                        "engine releases that ignore the drafter's explicit ids (vLLM 0.11, see `eaglekit doctor`) will feed it other layers")
+        warnings.append(f"aux layers {input_ids} are not the engine default "
+                        f"{list(engine_aux_layers(config.target_num_layers))}: engine releases that ignore the "
+                        "drafter's explicit ids (vLLM 0.11, see `eaglekit doctor`) will feed it other layers")
         log.warning(warnings[-1])
-    return {"warnings": warnings, "format": fmt, "output": str(output), "tensors": sorted(state), "config_aux_layer_ids": _written_ids(data),
+    return {"warnings": warnings, "format": fmt, "output": str(output), "tensors": sorted(state),
+            "config_aux_layer_ids": _written_ids(data),
             "aux_layer_ids_input_of_layer": input_ids, "max_logit_difference": difference,
             "dtype": DTYPE_NAMES[dtype], "embedding_included": "embed_tokens.weight" in state}
 
@@ -120,7 +124,8 @@ def _written_ids(data: dict[str, Any]) -> list[int]:
 
 
 # --- import ---------------------------------------------------------------------------------
-def _aux_ids(data: dict[str, Any], layout: str, from_format: str, target_num_layers: int | None) -> tuple[tuple[int, ...], str]:
+def _aux_ids(data: dict[str, Any], layout: str, from_format: str,
+             target_num_layers: int | None) -> tuple[tuple[int, ...], str]:
     """(ids, convention) from a config dict; never guesses an ambiguous convention."""
     marker = data.get(formats.MARKER) or {}
     if marker.get("aux_layer_ids_input_of_layer"):
@@ -136,15 +141,17 @@ def _aux_ids(data: dict[str, Any], layout: str, from_format: str, target_num_lay
                 from_format = "vllm"  # only vLLM reads the top-level key
             else:
                 raise EaglekitError(f"the checkpoint names aux layers {list(ids)} in eagle_config, which vLLM reads as "
-                                    "input-of-layer ids and SGLang as output-of-layer ids (one apart). Say which engine "
-                                    "it was made for: from_format=vllm, from_format=sglang or from_format=eagle")
+                                    "input-of-layer ids and SGLang as output-of-layer ids (one "
+                                    "apart). Say which engine it was made for: from_format=vllm, from_format=sglang "
+                                    "or from_format=eagle")
         convention = formats.CONVENTION.get(from_format, INPUT_OF_LAYER)
     if ids:
         return tuple(int(i) for i in ids), convention
     layers = target_num_layers or marker.get("target_num_layers")
     if not layers:
-        raise EaglekitError("the checkpoint does not name its aux layers, so the engine default (2, L/2, L-3) applies and "
-                            "needs the target's layer count: pass target=<model dir, config.json or hub id>")
+        raise EaglekitError("the checkpoint does not name its aux layers, so the engine default (2, "
+                            "L/2, L-3) applies and needs the target's layer count: pass target=<model dir, "
+                            "config.json or hub id>")
     return engine_aux_layers(int(layers)), INPUT_OF_LAYER
 
 
@@ -192,7 +199,8 @@ def drafter_config_from(data: dict[str, Any], layout: str, from_format: str = "a
             aux_layer_ids=ids, aux_layer_convention=convention,
             rms_norm_eps=float(llama.get("rms_norm_eps", 1e-6)), rope_parameters=formats._rope_from(llama),
             max_position_embeddings=int(llama.get("max_position_embeddings", 4096)),
-            hidden_act=llama.get("hidden_act", "silu"), norm_before_residual=bool(data.get("norm_before_residual", False)),
+            hidden_act=llama.get("hidden_act", "silu"),
+                             norm_before_residual=bool(data.get("norm_before_residual", False)),
             target_name_or_path=marker.get("target_name_or_path") or verifier.get("name_or_path") or "",
             target_architecture=marker.get("target_architecture") or (verifier.get("architectures") or [""])[0],
             target_num_layers=int(target_num_layers or marker.get("target_num_layers") or 0),
@@ -246,7 +254,8 @@ def _build(config: DrafterConfig, state: dict[str, torch.Tensor], source: Path) 
                             f"(flags {', '.join(formats.VARIANT_FLAGS)}); set the flag there, or remove the tensors")
     for key, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise EaglekitError(f"{source}: tensor {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}")
+            raise EaglekitError(f"{source}: tensor {key} has shape {tuple(tensor.shape)}, the config implies "
+                                f"{tuple(expected[key].shape)}")
     dtype = state["fc.weight"].dtype
     if "embed_tokens.weight" not in state:  # the engine shares the target's: zero = "not loaded" (see from_pretrained)
         state = {**state, "embed_tokens.weight": torch.zeros_like(expected["embed_tokens.weight"])}
@@ -255,6 +264,7 @@ def _build(config: DrafterConfig, state: dict[str, torch.Tensor], source: Path) 
         drafter.set_vocab_mapping(state["d2t"] + torch.arange(config.draft_vocab_size))
     elif "d2t" not in state:
         if config.draft_vocab_size != config.vocab_size:
-            raise EaglekitError(f"{source}: draft vocabulary {config.draft_vocab_size} < target {config.vocab_size} but no d2t mapping")
+            raise EaglekitError(f"{source}: draft vocabulary {config.draft_vocab_size} < target "
+                                f"{config.vocab_size} but no d2t mapping")
         drafter.set_vocab_mapping(torch.arange(config.vocab_size))
     return drafter.to(dtype)

@@ -137,6 +137,8 @@ def open_source(engine: str, location: str = "") -> EngineSource:
     candidates = [path.parent] if path.name == package else []
     candidates += [path / sub if sub else path for sub in TREE_LAYOUTS]
     for root in candidates:
-        if (root / package).is_dir() and ((root / package / "__init__.py").is_file() or (root / package / "srt").is_dir()):
+        if (root / package).is_dir() and ((root / package / "__init__.py").is_file()
+                                          or (root / package / "srt").is_dir()):
             return DirectorySource(package, root)
-    raise EaglekitError(f"no '{package}' package found in {path} (looked in {', '.join(str(c) for c in candidates)}); {hint}")
+    raise EaglekitError(f"no '{package}' package found in {path} (looked in "
+                        f"{', '.join(str(c) for c in candidates)}); {hint}")

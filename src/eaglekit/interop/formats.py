@@ -207,10 +207,12 @@ def check_exportable(config: DrafterConfig, fmt: str) -> None:
                                 "residual taken before hidden_norm. Export it --to vllm or --to speculators instead")
         if min(input_ids) < 1:
             raise EaglekitError(f"aux layer ids {input_ids} include 0 (the embedding output), which SGLang cannot "
-                                "address (its explicit ids mean 'output of layer k'); retrain with ids >= 1 or use vLLM")
+                                "address (its explicit ids mean 'output of layer k'); retrain with "
+                                "ids >= 1 or use vLLM")
     if fmt == "speculators" and config.target_hidden_size != config.hidden_size:
-        raise EaglekitError(f"speculators sizes fc from the drafter's hidden size ({config.hidden_size}), but this drafter "
-                            f"fuses target states of width {config.target_hidden_size}; export it --to vllm or --to sglang")
+        raise EaglekitError("speculators sizes fc from the drafter's hidden size "
+                            f"({config.hidden_size}), but this drafter fuses target states of width "
+                            f"{config.target_hidden_size}; export it --to vllm or --to sglang")
 
 
 def check_required(fmt: str, config: DrafterConfig, state: dict[str, torch.Tensor]) -> None:
@@ -235,7 +237,8 @@ def check_required(fmt: str, config: DrafterConfig, state: dict[str, torch.Tenso
         shapes.update(mla_format.tensor_shapes(config, prefix))
     for key, shape in shapes.items():
         if key in state and tuple(state[key].shape) != shape:
-            raise EaglekitError(f"{fmt} checkpoint tensor {key} has shape {tuple(state[key].shape)}, the loader expects {shape}")
+            raise EaglekitError(f"{fmt} checkpoint tensor {key} has shape {tuple(state[key].shape)}, the "
+                                f"loader expects {shape}")
 
 
 def to_checkpoint_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
@@ -258,8 +261,9 @@ def from_checkpoint_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str,
     inverse = {v: k for k, v in key_map(fmt).items()}
     bad = sorted(k for k in state if k.startswith(UNSUPPORTED_PREFIXES))
     if bad:
-        raise EaglekitError(f"checkpoint holds {bad}: a drafter variant (extra layers, q/k norms, parallel drafting) that "
-                            "eaglekit does not implement; importing it would drop those weights")
+        raise EaglekitError(f"checkpoint holds {bad}: a drafter variant (extra layers, q/k norms, "
+                            "parallel drafting) that eaglekit does not implement; importing it "
+                            "would drop those weights")
     unknown = sorted(k for k in state if k not in inverse)
     if unknown:
         raise EaglekitError(f"checkpoint has tensors eaglekit does not know: {unknown}")
@@ -301,10 +305,12 @@ def detect_format(data: dict[str, Any]) -> str:
         return "eaglekit"
     if data.get("speculators_model_type") is not None:
         if data["speculators_model_type"] != "eagle3":
-            raise EaglekitError(f"speculators checkpoint of type '{data['speculators_model_type']}'; only eagle3 imports")
+            raise EaglekitError("speculators checkpoint of type "
+                                f"'{data['speculators_model_type']}'; only eagle3 imports")
         return "speculators"
     architectures = data.get("architectures") or []
-    if any(a in EAGLE3_ARCHITECTURES for a in architectures) or "eagle_config" in data or mla_format.is_mla_checkpoint(data):
+    if (any(a in EAGLE3_ARCHITECTURES for a in architectures) or "eagle_config" in data
+            or mla_format.is_mla_checkpoint(data)):
         return "eagle3"
     raise EaglekitError(f"config.json with architectures {architectures} is not an EAGLE-3 drafter in a known layout "
                         f"(expected one of {', '.join(EAGLE3_ARCHITECTURES)} or a speculators eagle3 config)")

@@ -51,8 +51,9 @@ def check_exportable(config: DrafterConfig, fmt: str) -> None:
         raise EaglekitError(f"the MLA drafter has no {fmt} layout (speculators has no MLA drafter); "
                             f"export it --to {' or --to '.join(ENGINES)}")
     if config.norm_before_fc:
-        raise EaglekitError("neither engine's MLA drafter (Eagle3DeepseekV2ForCausalLM) has norm_before_fc's input_norm: "
-                            "it would run without it. Train the MLA drafter with fc_norm or without a norm before fc")
+        raise EaglekitError("neither engine's MLA drafter (Eagle3DeepseekV2ForCausalLM) has "
+                            "norm_before_fc's input_norm: it would run without it. Train the MLA drafter with fc_norm "
+                            "or without a norm before fc")
 
 
 def config_fields(config: DrafterConfig, rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
@@ -110,4 +111,5 @@ def engine_names(state: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     if not is_mla_checkpoint(data):
         return state
     prefix = "layers.0."
-    return {f"midlayer.{name[len(prefix):]}" if name.startswith(prefix) else name: tensor for name, tensor in state.items()}
+    return {f"midlayer.{name[len(prefix):]}" if name.startswith(prefix) else name: tensor for name,
+            tensor in state.items()}

@@ -71,7 +71,8 @@ class {name}(_Wrapper, SupportsEagle3):
         return self._inner_default_layers()
 '''
 
-INIT_TEMPLATE = '''"""vLLM plugin written by eaglekit: EAGLE-3 for {architecture} by delegation to its language model."""
+INIT_TEMPLATE = '''"""vLLM plugin written by eaglekit: EAGLE-3 for {architecture} by delegation to its language
+model."""
 
 ARCHITECTURE = {architecture!r}
 MODEL_CLASS = "{package}.model:{name}"
@@ -90,7 +91,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "{distribution}"
 version = "0.1.0"
-description = "EAGLE-3 support for {architecture} in vLLM by delegation to its language model (written by eaglekit doctor --fix)"
+description = "EAGLE-3 for {architecture} in vLLM by delegation to its language model (eaglekit doctor --fix)"
 requires-python = ">=3.9"
 
 [project.entry-points."vllm.general_plugins"]
@@ -116,8 +117,9 @@ def write_vllm_plugin(report: dict[str, Any], output: str | Path) -> Path:
         raise EaglekitError(f"a delegation plugin cannot fix this: {why}. Needed instead: {'; '.join(report['fix'])}")
     wrapper = report.get("wrapper") or {}
     if wrapper.get("forward_passthrough") is not True:
-        raise EaglekitError(f"{report['class']['class']}.forward does not visibly return the language model's output, so "
-                            "the aux states could be dropped on the way out; the plugin would not be enough")
+        raise EaglekitError(f"{report['class']['class']}.forward does not visibly return the "
+                            "language model's output, so the aux states could be dropped on the way out; the "
+                            "plugin would not be enough")
     architecture = report["target"]["architecture"]
     package = f"eaglekit_eagle3_{_slug(architecture)}"
     fields = {"architecture": architecture, "package": package, "name": f"Eagle3{report['class']['class']}",
@@ -133,7 +135,8 @@ def write_vllm_plugin(report: dict[str, Any], output: str | Path) -> Path:
 
 # --- reading registrations -------------------------------------------------------------------
 def _registrations_in(module: str, tree: ast.Module, function: str, plugin: str, where: str) -> list[dict[str, Any]]:
-    """`register_model("Arch", "module:Class" | Class)` calls in the entry-point function (module constants resolved)."""
+    """`register_model("Arch", "module:Class" | Class)` calls in the entry-point function (module constants
+    resolved)."""
     constants = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
                  and isinstance(node.value, ast.Constant) for t in node.targets if isinstance(t, ast.Name)}
     found = []
@@ -141,7 +144,8 @@ def _registrations_in(module: str, tree: ast.Module, function: str, plugin: str,
         if not (isinstance(node, ast.FunctionDef) and node.name == function):
             continue
         for call in ast.walk(node):
-            if not (isinstance(call, ast.Call) and ast.unparse(call.func).endswith("register_model") and len(call.args) >= 2):
+            if not (isinstance(call, ast.Call) and ast.unparse(call.func).endswith("register_model")
+                    and len(call.args) >= 2):
                 continue
             arch, target = (constants.get(a.id, a) if isinstance(a, ast.Name) else a for a in call.args[:2])
             if not (isinstance(arch, ast.Constant) and isinstance(arch.value, str)):
@@ -197,7 +201,8 @@ def _scan_project(project: Path) -> tuple[list[dict[str, Any]], list[EngineSourc
     return registrations, sources
 
 
-def find_registrations(plugin_dirs: tuple[str, ...] = (), installed: bool = True) -> tuple[list[dict[str, Any]], list[EngineSource]]:
+def find_registrations(plugin_dirs: tuple[str, ...] = (),
+                       installed: bool = True) -> tuple[list[dict[str, Any]], list[EngineSource]]:
     """vLLM plugin registrations from plugin project dirs and installed entry points, read without importing."""
     registrations: list[dict[str, Any]] = []
     sources: list[EngineSource] = []
@@ -205,7 +210,8 @@ def find_registrations(plugin_dirs: tuple[str, ...] = (), installed: bool = True
         path = Path(directory).expanduser()
         if not path.is_dir():
             raise EaglekitError(f"plugins directory {path} does not exist")
-        projects = sorted({p.parent for p in [*path.glob("pyproject.toml"), *path.glob("*/pyproject.toml"), *path.glob("*/*/pyproject.toml")]})
+        projects = sorted({p.parent for p in [*path.glob("pyproject.toml"), *path.glob("*/pyproject.toml"),
+                                              *path.glob("*/*/pyproject.toml")]})
         for project in projects:
             found, roots = _scan_project(project)
             registrations += found

@@ -251,7 +251,8 @@ class ModuleIndex:
             sequences = [s for s in sequences if s]
         return result
 
-    def find_method(self, cls: ClassInfo, name: str, skip: tuple[str, ...] = ()) -> tuple[ClassInfo, ast.FunctionDef] | None:
+    def find_method(self, cls: ClassInfo, name: str,
+                    skip: tuple[str, ...] = ()) -> tuple[ClassInfo, ast.FunctionDef] | None:
         """First definition of `name` along the MRO (classes named in `skip` are passed over)."""
         for entry in self.mro(cls):
             if isinstance(entry, ClassInfo) and entry.name not in skip:
@@ -268,7 +269,8 @@ class ModuleIndex:
                 continue
             for method in entry.methods().values():
                 for node in ast.walk(method):
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) and node.value else []
+                    targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                               if isinstance(node, ast.AnnAssign) and node.value else [])
                     for target in targets:
                         if (isinstance(target, ast.Attribute) and target.attr == attribute
                                 and isinstance(target.value, ast.Name) and target.value.id == "self"):

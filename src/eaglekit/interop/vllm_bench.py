@@ -50,8 +50,8 @@ def engine_error(run: dict[str, Any], engine: ve.Engine, target: str, log_path: 
     """A vLLM refusal as one line: the engine's own words, and the fix."""
     text = run["error"]
     if any(sign in text for sign in PLUGIN_FIXES):
-        fix = (f"this vLLM's class for the target lacks EAGLE-3 support: run `eaglekit doctor --engine vllm --target {target} "
-               "--fix` and pip-install the plugin it writes into vLLM's environment")
+        fix = ("this vLLM's class for the target lacks EAGLE-3 support: run `eaglekit doctor --engine "
+               f"vllm --target {target} --fix` and pip-install the plugin it writes into vLLM's environment")
     else:
         fix = f"check the drafter export and the target with `eaglekit doctor --engine vllm --target {target}`"
     return EaglekitError(f"vLLM {engine.version} rejected run {run['name']}: {text[:400]}; {fix} (log: {log_path})")
@@ -107,7 +107,8 @@ def sweep(server: ve.Server, prompts: list[list[int]], max_new_tokens: int, leve
             figures = ve.acceptance(ve.counter_delta(server.metrics(), before))
             level_result.update({k: v for k, v in figures.items() if k in ("tau", "acceptance_per_position", "drafts")})
             results.append(level_result)
-            log.info("vLLM %s concurrency %d: %.1f tokens/s", server.model, level, level_result["tokens_per_second"] or 0)
+            log.info("vLLM %s concurrency %d: %.1f tokens/s", server.model, level,
+                     level_result["tokens_per_second"] or 0)
     return results
 
 
@@ -157,7 +158,8 @@ def measure(engine: ve.Engine, target: str, drafter_dir: str, prompts: list[list
             request_timeout: float = 600.0) -> list[dict[str, Any]]:
     """Export, run offline and served, and return the vLLM rows (work files under `output/vllm/`)."""
     if not Path(target).is_dir():
-        raise EaglekitError(f"engine=vllm needs the target as a local model directory (vLLM loads it); {target} is not one")
+        raise EaglekitError("engine=vllm needs the target as a local model directory (vLLM loads "
+                            f"it); {target} is not one")
     workdir = output / "vllm"
     drafter = export_for_vllm(drafter_dir, workdir / "drafter", speculative_tokens)
     log.info("vLLM %s (%s): offline runs", engine.version, engine.python)

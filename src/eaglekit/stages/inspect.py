@@ -27,15 +27,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Config:
-    data: tuple[str, ...] = option((), "conversation data: .jsonl/.json files or Hugging Face dataset directories (comma-separated)")
-    target: str = option("tiny", "target model directory or hub id whose tokenizer and chat template are used ('tiny' = built-in)")
+    data: tuple[str, ...] = option((), "conversation data: .jsonl/.json files or Hugging Face dataset "
+                                       "directories (comma-separated)")
+    target: str = option("tiny", "target model directory or hub id whose tokenizer and chat template are "
+                                 "used ('tiny' = built-in)")
     max_length: int = option(2048, "tokens kept per conversation; longer ones are truncated (0 = no limit)")
     limit: int = option(20, "conversations to inspect, from the start of the data (0 = all)")
     show_text: bool = option(True, "print each conversation's text with the learned tokens marked ⟦...⟧")
     chat_template: str = option("", "a Jinja chat template (file path or string) used instead of the tokenizer's own")
     skip_errors: bool = option(False, "skip malformed records (counted) instead of stopping at the first")
     trust_remote_code: bool = option(False, "allow the target's own tokenizer code to run")
-    output: str = option("", "also write per-record counts and totals to this JSON file (the resolved config goes beside it)")
+    output: str = option("", "also write per-record counts and totals to this JSON file (the resolved "
+                             "config goes beside it)")
 
 
 def marked_text(tokenizer: Any, input_ids: list[int], loss_mask: list[int]) -> str:
@@ -50,7 +53,8 @@ def marked_text(tokenizer: Any, input_ids: list[int], loss_mask: list[int]) -> s
 
 
 def _record_line(index: int, total: int, record: Any, max_length: int) -> str:
-    kept = f"truncated: kept {record.num_tokens} of {record.num_tokens_full} (max_length={max_length})" if record.truncated else "not truncated"
+    kept = (f"truncated: kept {record.num_tokens} of {record.num_tokens_full} (max_length={max_length})"
+            if record.truncated else "not truncated")
     return f"[{index}/{total}] id={record.id}  tokens={record.num_tokens}  learned={record.num_learned}  {kept}"
 
 
@@ -74,8 +78,9 @@ def _print_summary(totals: dict[str, Any]) -> None:
     shown = totals["records"]
     of = f" (the first {shown} of {totals['records_read']})" if shown < totals["records_read"] else ""
     print(f"\n{shown} conversations{of}: {totals['tokens']} tokens, {totals['learned_tokens']} learned "
-          f"({100 * totals['learned_fraction']:.1f}%), {totals['truncated']} truncated at max_length={totals['max_length']}, "
-          f"{totals['no_learned_tokens']} with nothing to learn, {totals['skipped']} malformed skipped")
+          f"({100 * totals['learned_fraction']:.1f}%), {totals['truncated']} truncated at "
+          f"max_length={totals['max_length']}, {totals['no_learned_tokens']} with nothing to learn, "
+          f"{totals['skipped']} malformed skipped")
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -95,7 +100,8 @@ def run(config: Config) -> dict[str, Any]:
     chosen = read.conversations[: config.limit] if config.limit else read.conversations
     max_length = config.max_length or None
     rows = []
-    for index, conversation in enumerate(tqdm(chosen, desc="tokenizing", unit=" conversations", disable=None, leave=False), 1):
+    for index, conversation in enumerate(tqdm(chosen, desc="tokenizing", unit=" conversations", disable=None,
+                                              leave=False), 1):
         record = tokenize_conversation(tokenizer, conversation, max_length, config.chat_template or None)
         print(_record_line(index, len(chosen), record, config.max_length))
         if config.show_text:

@@ -54,7 +54,8 @@ SETTINGS_KEYS = ("target", "model", "turns", "temperature", "top_p", "max_new_to
 class Config:
     data: tuple[str, ...] = option((), "prompt files or directories (OpenAI messages, ShareGPT, prompt/completion)")
     output: str = option("", "output directory (conversations.jsonl, failures.jsonl, stats.json, config.yaml)")
-    backend: str = option("hf", "hf: the target in this process; openai: OpenAI-compatible servers", choices=("hf", "openai"))
+    backend: str = option("hf", "hf: the target in this process; openai: OpenAI-compatible servers",
+                          choices=("hf", "openai"))
     target: str = option("", "target model directory, hub id or 'tiny' (hf backend; recorded as metadata for openai)")
     servers: tuple[str, ...] = option((), "openai backend: server URLs, used round-robin (http://host:port)")
     model: str = option("", "openai backend: model name to request (default: the first one /v1/models lists)")
@@ -123,7 +124,8 @@ def _validate(config: Config) -> None:
     if not config.output:
         raise EaglekitError("no output directory given: pass output=DIR")
     if config.backend == "hf" and not config.target:
-        raise EaglekitError("backend=hf needs target=PATH_OR_HUB_ID (or target=tiny); or use backend=openai servers=URL")
+        raise EaglekitError("backend=hf needs target=PATH_OR_HUB_ID (or target=tiny); or use "
+                            "backend=openai servers=URL")
     if config.backend == "openai" and not config.servers:
         raise EaglekitError("backend=openai needs servers=URL[,URL...], e.g. servers=http://127.0.0.1:8000")
     if config.max_new_tokens < 1 or config.batch_size < 1 or config.concurrency < 1:
@@ -151,7 +153,8 @@ def _run(config: Config, directory: Path) -> RegenResult:
              total - len(todo) - skipped, skipped)
     backend: HFBackend | OpenAIBackend
     if config.backend == "hf":
-        backend = (HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code, config.chat_template)
+        backend = (HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code,
+                                  config.chat_template)
                    if todo else None)  # type: ignore[assignment]
         meta = {"backend": "hf", "model": config.target}
     else:
@@ -177,7 +180,8 @@ def _run(config: Config, directory: Path) -> RegenResult:
     capped = getattr(backend, "capped_answers", 0)
     if capped:
         log.warning("%d answer(s) were cut to the context their prompt leaves (max_new_tokens=%d does not fit the "
-                    "target's %s-token context after those prompts)", capped, config.max_new_tokens, backend.max_context)
+                    "target's %s-token context after those prompts)", capped, config.max_new_tokens,
+                    backend.max_context)
     return _finish(config, directory, total, skipped, progress, seconds, capped)
 
 
@@ -200,7 +204,8 @@ def _finish(config: Config, directory: Path, total: int, skipped: int, progress:
     if outstanding:
         raise EaglekitError(_failure_message(outstanding, directory / FAILURES_FILE))
     write_manifest(directory, "regen", {"output": OUTPUT_FILE, "output_sha256": file_sha256(directory / OUTPUT_FILE),
-                                        "records": len(finished), "settings": {k: getattr(config, k) for k in SETTINGS_KEYS}})
+                                        "records": len(finished),
+                                        "settings": {k: getattr(config, k) for k in SETTINGS_KEYS}})
     return RegenResult(directory / OUTPUT_FILE, stats)
 
 

@@ -47,17 +47,22 @@ DATA_SHORTHANDS = {"tiny": "assets/tiny_prompts.jsonl", "tiny-eval": "assets/tin
 @dataclass(frozen=True)
 class Config:
     target: str = option("", "target model directory, hub id or 'tiny' (the built-in tiny target)")
-    data: tuple[str, ...] = option((), "prompt/conversation files; 'tiny' = the shipped tiny prompts; paths may be package-relative")
+    data: tuple[str, ...] = option((), "prompt/conversation files; 'tiny' = the shipped tiny prompts; paths "
+                                       "may be package-relative")
     out: str = option("", "run directory: one subfolder per stage, run.yaml, run.json, report.md")
     device: str = option("auto", "device for every stage that loads a model (a section's own device wins)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code in every stage")
-    stages: tuple[str, ...] = option(PIPELINE, "stages to run, in pipeline order (leave out regen to train on data as is)")
-    training: str = option("offline", "offline: extract hidden states, train from them; online: train runs the target, no extract",
+    stages: tuple[str, ...] = option(PIPELINE,
+                                     "stages to run, in pipeline order (leave out regen to train on data as is)")
+    training: str = option("offline",
+                           "offline: extract hidden states, train from them; online: train runs the target, no extract",
                            choices=("offline", "online"))
     export_formats: tuple[str, ...] = option(EXPORT_FORMATS, "checkpoint layouts to export (vllm, sglang, speculators)")
     doctor_engines: tuple[str, ...] = option(ENGINES, "engines the doctor checks the target against (vllm, sglang)")
-    extract_processes: int = option(1, "> 1: run extract under torchrun with this many processes (one GPU each, data-parallel)")
-    train_processes: int = option(1, "> 1: run train under torchrun with this many processes (DDP, or FSDP2 with train.distributed=fsdp)")
+    extract_processes: int = option(1, "> 1: run extract under torchrun with this many processes (one GPU "
+                                       "each, data-parallel)")
+    train_processes: int = option(1, "> 1: run train under torchrun with this many processes (DDP, or FSDP2 with "
+                                     "train.distributed=fsdp)")
     regen: _regen.Config = option(_regen.Config(), "regen options (section)")
     extract: _extract.Config = option(_extract.Config(), "extract options (section)")
     vocab: _vocab.Config = option(_vocab.Config(), "vocab options (section)")
@@ -103,18 +108,22 @@ def _check(config: Config) -> tuple[str, ...]:
         raise EaglekitError(f"unknown stages {unknown} in stages=; choose from {', '.join(PIPELINE)}")
     stages = tuple(s for s in PIPELINE if s in config.stages and not (s == "extract" and config.training == "online"))
     if config.training == "offline" and "train" in stages and "extract" not in stages:
-        raise EaglekitError("training=offline trains from extracted hidden states: add extract to stages, or set training=online")
+        raise EaglekitError("training=offline trains from extracted hidden states: add extract to stages, "
+                            "or set training=online")
     if ("bench" in stages or "export" in stages) and "train" not in stages:
         raise EaglekitError("bench and export use the drafter that train writes: keep train in stages "
                             "(a finished train stage is skipped on re-run, not trained again)")
     if config.extract_processes < 1 or config.train_processes < 1:
         raise EaglekitError("extract_processes and train_processes must be >= 1")
     if config.extract_processes > 1 and config.extract.device_map:
-        raise EaglekitError("extract.device_map spreads one target over the GPUs of one process: use it with extract_processes=1")
+        raise EaglekitError("extract.device_map spreads one target over the GPUs of one process: use it "
+                            "with extract_processes=1")
     if config.train.device_map and (config.train_processes > 1 or config.training == "offline"):
-        raise EaglekitError("train.device_map spreads one target over the GPUs of one process for online training: use it with "
-                            "training=online and train_processes=1 (offline training never loads the target)")
-    for name, chosen, valid in (("export_formats", config.export_formats, EXPORT_FORMATS), ("doctor_engines", config.doctor_engines, ENGINES)):
+        raise EaglekitError("train.device_map spreads one target over the GPUs of one process for online "
+                            "training: use it with training=online and train_processes=1 (offline training "
+                            "never loads the target)")
+    for name, chosen, valid in (("export_formats", config.export_formats, EXPORT_FORMATS),
+                                ("doctor_engines", config.doctor_engines, ENGINES)):
         if any(v not in valid for v in chosen):
             raise EaglekitError(f"{name}={','.join(chosen)}: choose from {', '.join(valid)}")
     return stages
@@ -131,7 +140,8 @@ def stage_config(config: Config, name: str, **wired: Any) -> Any:
     for key, value in wired.items():
         mine = getattr(section, key)
         if mine != getattr(default, key) and mine != value:
-            raise EaglekitError(f"{name}.{key} is set by eaglekit run (to {value!r}); remove {name}.{key} from the recipe")
+            raise EaglekitError(f"{name}.{key} is set by eaglekit run (to {value!r}); remove "
+                                f"{name}.{key} from the recipe")
     fill: dict[str, Any] = {}
     if hasattr(section, "device") and section.device == default.device:
         fill["device"] = config.device
@@ -180,12 +190,14 @@ def _vocab_init_from(config: Config, vocab: _vocab.Config) -> dict[str, Any]:
             "rebuild": _inherit(vocab, default, "rebuild", config.train.rebuild_vocab)}
 
 
-def _data_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...], target: tuple[str, ...]) -> tuple[list[Step], tuple[str, ...], tuple[str, ...]]:
+def _data_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...],
+                target: tuple[str, ...]) -> tuple[list[Step], tuple[str, ...], tuple[str, ...]]:
     """regen (when asked) -> (steps, training conversations, step names they come from)."""
     if "regen" not in stages:
         return [], data, ()
     regen = stage_config(config, "regen", data=data, output=str(out / "regen"), target=config.target)
-    step = Step("regen", out / "regen", lambda: regen, _execute("regen"), after=(), inputs=(*data, *target), outputs=("manifest.json",))
+    step = Step("regen", out / "regen", lambda: regen, _execute("regen"), after=(), inputs=(*data, *target),
+                outputs=("manifest.json",))
     return [step], (str(out / "regen" / _regen.OUTPUT_FILE),), ("regen",)
 
 
@@ -200,26 +212,32 @@ def plan(config: Config) -> list[Step]:
     init_from = (config.train.init_from,) if config.train.init_from and Path(config.train.init_from).exists() else ()
     if "extract" in stages:
         extract = stage_config(config, "extract", data=conversations, output=str(out / "extract"), target=config.target)
-        steps.append(Step("extract", out / "extract", lambda: extract, _execute("extract", config.extract_processes, out / "extract"),
+        steps.append(Step("extract", out / "extract", lambda: extract,
+                          _execute("extract", config.extract_processes, out / "extract"),
                           source, inputs, ("manifest.json",)))
     if "vocab" in stages:
         length_from = config.train if online else config.extract
         vocab = stage_config(config, "vocab", data=conversations, output=str(out / "vocab"), target=config.target)
-        vocab = dataclasses.replace(vocab, max_length=_inherit(vocab, _vocab.Config(), "max_length", length_from.max_length),
+        vocab = dataclasses.replace(vocab,
+                                    max_length=_inherit(vocab, _vocab.Config(), "max_length", length_from.max_length),
                                     **_vocab_init_from(config, vocab))
-        steps.append(Step("vocab", out / "vocab", lambda: vocab, _execute("vocab"), source, (*inputs, *init_from), ("manifest.json",)))
+        steps.append(Step("vocab", out / "vocab", lambda: vocab, _execute("vocab"), source, (*inputs, *init_from),
+                          ("manifest.json",)))
     if "train" in stages:
         vocab_file = str(out / "vocab" / "vocab.safetensors") if "vocab" in stages else config.train.vocab
-        train = stage_config(config, "train", target=config.target, output=str(out / "train"), resume=True, vocab=vocab_file,
+        train = stage_config(config, "train", target=config.target, output=str(out / "train"), resume=True,
+                             vocab=vocab_file,
                              shards="" if online else str(out / "extract"), data=conversations if online else ())
         after = (*(source if online else ("extract",)), *(("vocab",) if "vocab" in stages else ()))
-        steps.append(Step("train", out / "train", lambda: train, _execute("train", config.train_processes, out / "train"),
+        steps.append(Step("train", out / "train", lambda: train,
+                          _execute("train", config.train_processes, out / "train"),
                           after, (*inputs, *init_from), ("manifest.json", "model.safetensors")))
     steps += _later_steps(config, stages, out, data, target)
     return steps
 
 
-def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...], target: tuple[str, ...]) -> list[Step]:
+def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...],
+                 target: tuple[str, ...]) -> list[Step]:
     steps: list[Step] = []
     drafter = str(out / "train")
     if "bench" in stages:
@@ -229,18 +247,21 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
                         "set bench.prompts to prompts the drafter never saw", prompts)
         bench = stage_config(config, "bench", target=config.target, drafter=drafter, output=str(out / "bench"))
         bench = dataclasses.replace(bench, prompts=prompts)
-        steps.append(Step("bench", out / "bench", lambda: bench, _execute("bench"), ("train",), (*target, prompts), ("bench.json",)))
+        steps.append(Step("bench", out / "bench", lambda: bench, _execute("bench"), ("train",), (*target, prompts),
+                          ("bench.json",)))
     if "export" in stages:
         for fmt in config.export_formats:
             export = stage_config(config, "export", drafter=drafter, to=fmt, output=str(out / "export" / fmt))
-            steps.append(Step(f"export-{fmt}", out / "export" / fmt, (lambda c=export: c), _execute("export"), ("train",), (),
+            steps.append(Step(f"export-{fmt}", out / "export" / fmt, (lambda c=export: c), _execute("export"),
+                              ("train",), (),
                               ("manifest.json", "config.json")))
     if "doctor" in stages:
         for engine in config.doctor_engines:
             folder = out / "doctor" / engine
             doctor = stage_config(config, "doctor", target=config.target, engine=engine)
             doctor = dataclasses.replace(doctor, fix=doctor.fix and engine == "vllm",  # the --fix plugin is vLLM's
-                                         fix_output=_inherit(doctor, _doctor.Config(), "fix_output", str(folder / "plugin")))
+                                         fix_output=_inherit(doctor, _doctor.Config(), "fix_output",
+                                                             str(folder / "plugin")))
             steps.append(Step(f"doctor-{engine}", folder, (lambda c=doctor: c), _doctor_step(folder),
                               (), target, ("doctor.json",)))
     return steps
@@ -258,7 +279,8 @@ def _doctor_target(target: str) -> str:
 
         return hf_hub_download(resolved, "config.json")
     except Exception as error:  # noqa: BLE001 - offline, gated, unknown repo: the doctor then reports on the name
-        log.warning("doctor: cannot fetch config.json of %s (%s); checking the name as given", resolved, type(error).__name__)
+        log.warning("doctor: cannot fetch config.json of %s (%s); checking the name as given", resolved,
+                    type(error).__name__)
         return resolved
 
 
@@ -272,7 +294,8 @@ def _doctor_step(directory: Path) -> Callable[[Any], Any]:
             result = load_stage("doctor").run(config)
         except EaglekitError as error:
             log.warning("doctor %s: %s", config.engine, error)
-            result = {"engine": config.engine, "engine_version": None, "verdict": "unknown", "reasons": [str(error)], "fix": []}
+            result = {"engine": config.engine, "engine_version": None, "verdict": "unknown", "reasons": [str(error)],
+                      "fix": []}
         atomic_write_json(directory / "doctor.json", result)
         save_resolved(config, directory)
         write_manifest(directory, "doctor", {"engine": config.engine, "verdict": result.get("verdict")})

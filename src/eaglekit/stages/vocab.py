@@ -76,11 +76,14 @@ def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
         dataset = HiddenStateDataset(config.shards)
         vocab_size = int(dataset.manifest["vocab_size"])
         if config.target and target_vocab_size(config) != vocab_size:
-            raise EaglekitError(f"shards in {config.shards} have vocab {vocab_size} but target {config.target} has {target_vocab_size(config)}: they come from another model")
-        return count_tokens(shard_tokens(dataset), vocab_size), {"shards": config.shards, "target": dataset.manifest.get("target")}
+            raise EaglekitError(f"shards in {config.shards} have vocab {vocab_size} but target {config.target} has "
+                                f"{target_vocab_size(config)}: they come from another model")
+        return count_tokens(shard_tokens(dataset), vocab_size), {"shards": config.shards,
+                                                                 "target": dataset.manifest.get("target")}
     if not config.target:
         raise EaglekitError("counting conversations needs the target's tokenizer: pass target=PATH (or target=tiny)")
-    return count_tokens(conversation_records(config), target_vocab_size(config)), {"data": list(config.data), "target": config.target}
+    return (count_tokens(conversation_records(config), target_vocab_size(config)),
+            {"data": list(config.data), "target": config.target})
 
 
 def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
@@ -92,7 +95,8 @@ def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
 
         mapping = mapping_from_drafter(Eagle3Drafter.from_pretrained(config.init_from))
         if mapping.vocab_size != counts.numel():
-            raise EaglekitError(f"drafter {config.init_from} targets a vocabulary of {mapping.vocab_size}, the data has {counts.numel()}: wrong drafter or target")
+            raise EaglekitError(f"drafter {config.init_from} targets a vocabulary of {mapping.vocab_size}, the data "
+                                f"has {counts.numel()}: wrong drafter or target")
         return VocabMapping(mapping.used_ids, mapping.vocab_size, counts), f"kept from {config.init_from}"
     return select_vocab(counts, config.size), "built from counts"
 
@@ -107,7 +111,8 @@ def run(config: Config) -> dict[str, Any]:
     output = claim_output(config.output, "vocab", config.overwrite)
     counts, source = count(config)
     if int(counts.sum()) == 0:
-        raise EaglekitError("no loss-masked (assistant) tokens found in the data; check the chat template / loss mask with `eaglekit inspect`")
+        raise EaglekitError("no loss-masked (assistant) tokens found in the data; check the chat template / loss mask "
+                            "with `eaglekit inspect`")
     mapping, how = choose(config, counts)
     path = save_vocab(output / VOCAB_FILE, mapping)
     coverage = mapping.coverage()
@@ -115,7 +120,8 @@ def run(config: Config) -> dict[str, Any]:
     result = {"path": str(path), "draft_vocab_size": int(mapping.used_ids.numel()), "vocab_size": mapping.vocab_size,
               "coverage": coverage, "tokens_counted": int(counts.sum()), "distinct_tokens": seen, "mapping": how}
     save_resolved(config, output)
-    write_manifest(output, "vocab", {"config": to_dict(config), "source": source, **result, "sha256": file_sha256(path)})
+    write_manifest(output, "vocab",
+                   {"config": to_dict(config), "source": source, **result, "sha256": file_sha256(path)})
     print(f"draft vocabulary: {result['draft_vocab_size']} of {mapping.vocab_size} ids ({how}); "
           f"coverage {coverage:.2%} of {result['tokens_counted']} training tokens ({seen} distinct) -> {path}")
     return result

@@ -286,7 +286,8 @@ class OpenAIBackend:
                 log.warning("%s %s failed (attempt %d/%d): %s", method, url, attempt + 1, self.retries + 1, last)
         raise BackendError(f"gave up after {self.retries + 1} attempts: {last}")
 
-    def _attempt(self, method: str, url: str, body: dict[str, Any] | None, parse: Callable[[dict[str, Any]], Any]) -> Any:
+    def _attempt(self, method: str, url: str, body: dict[str, Any] | None,
+                 parse: Callable[[dict[str, Any]], Any]) -> Any:
         try:
             response = self.client.request(method, url, json=body)
         except RuntimeError:  # httpx: the client was closed by another thread

@@ -191,12 +191,13 @@ class HiddenStateCapture:
             if not 0 <= layer_id <= num_layers:
                 raise EaglekitError(
                     f"aux layer id {layer_id} ({INPUT_OF_LAYER} convention) is out of range for a target with "
-                    f"{num_layers} layers (valid: 0..{num_layers}); omit aux_layer_ids for the default {default_aux_layers(num_layers) if num_layers >= 3 else '(none)'}"
+                    f"{num_layers} layers (valid: 0..{num_layers}); omit aux_layer_ids for the default "
+                    f"{default_aux_layers(num_layers) if num_layers >= 3 else '(none)'}"
                 )
         if capture_final and self.stack.norm is None:
             raise EaglekitError(
-                f"no final norm ({', '.join(FINAL_NORM_NAMES)}) found next to {self.stack.path} in {type(model).__name__}; "
-                "pass decoder_path= to point at the text decoder's layer list"
+                f"no final norm ({', '.join(FINAL_NORM_NAMES)}) found next to {self.stack.path} in "
+                f"{type(model).__name__}; pass decoder_path= to point at the text decoder's layer list"
             )
         self.aux_layers = tuple(aux_layers)  # always in the input-of-layer convention
         self.capture_final = capture_final
@@ -249,8 +250,8 @@ class HiddenStateCapture:
         missing = [i for i in self.aux_layers if i not in self.states]
         if missing:
             raise EaglekitError(
-                f"hooks for aux layers {missing} did not fire on {type(self.model).__name__} (decoder at {self.stack.path}); "
-                "the class that ran is not the one whose layers were hooked"
+                f"hooks for aux layers {missing} did not fire on {type(self.model).__name__} (decoder at "
+                f"{self.stack.path}); the class that ran is not the one whose layers were hooked"
             )
         first = self.states[self.aux_layers[0]]
         # with device_map="auto" the layers (and their states) may sit on different GPUs
@@ -259,7 +260,8 @@ class HiddenStateCapture:
     def final(self) -> torch.Tensor:
         """(B, T, H): the final-norm output that the lm_head reads."""
         if self.final_state is None:
-            raise EaglekitError(f"the final-norm hook ({self.stack.norm_path}) did not fire on {type(self.model).__name__}")
+            raise EaglekitError(f"the final-norm hook ({self.stack.norm_path}) did not fire on "
+                                f"{type(self.model).__name__}")
         return self.final_state
 
 

@@ -66,12 +66,15 @@ def format_target_report(report: dict[str, Any]) -> str:
     verification = report.get("verification", {})
     lines = [
         f"target:           {report.get('target', '?')}",
-        f"loaded class:     {report['class']}  (architectures in config: {', '.join(report['architectures']) or 'none'})",
+        f"loaded class:     {report['class']}  (architectures in config: "
+        f"{', '.join(report['architectures']) or 'none'})",
         "class MRO:        " + " -> ".join(name.rsplit(".", 1)[-1] for name in report["mro"]),
         f"decoder path:     {report.get('decoder_path')}  ({report.get('num_layers')} x {report.get('layer_class')}), "
         f"final norm {report.get('final_norm_path')}",
-        f"hidden size:      {report['hidden_size']}   vocab: {report['vocab_size']}   config hash: {report['config_hash']}",
-        f"default aux ids:  {report.get('default_aux_layer_ids')}  (input_of_layer convention: id i = state entering layer i)",
+        f"hidden size:      {report['hidden_size']}   vocab: {report['vocab_size']}   config hash: "
+        f"{report['config_hash']}",
+        f"default aux ids:  {report.get('default_aux_layer_ids')}  (input_of_layer convention: id i = "
+        "state entering layer i)",
     ]
     if verification.get("ok"):
         lines.append(f"verification:     OK - hooks fired once each {verification['hook_calls']}, shapes "

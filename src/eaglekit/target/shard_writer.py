@@ -117,7 +117,8 @@ class ShardWriter:
     `self.num_threads`/`self.num_buffers`, and `self.host_bytes` is the ring's host memory."""
 
     def __init__(self, directory: str | Path, layout: StoreLayout, capacity_tokens: int, rank: int = 0,
-                 start_index: int = 0, num_buffers: int = 0, pin_memory: bool = False, metadata: dict[str, str] | None = None,
+                 start_index: int = 0, num_buffers: int = 0, pin_memory: bool = False,
+                 metadata: dict[str, str] | None = None,
                  num_threads: int = 0, fsync: bool = True):
         self.directory, self.layout, self.rank = Path(directory), layout, rank
         self.capacity, self.index, self.fsync = capacity_tokens, start_index, fsync
@@ -145,9 +146,9 @@ class ShardWriter:
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise EaglekitError(
-                f"writing hidden-state shards to {self.directory} failed: {self.error}. Shards written before are intact "
-                "and listed in the shard log; no partial shard is kept. Free disk space (or fix the error) and re-run the "
-                "same command to resume."
+                f"writing hidden-state shards to {self.directory} failed: {self.error}. Shards "
+                "written before are intact and listed in the shard log; no partial shard is kept. Free disk space (or "
+                "fix the error) and re-run the same command to resume."
             ) from self.error
 
     def _acquire(self) -> _Buffer:
@@ -173,7 +174,8 @@ class ShardWriter:
         rows = sum(len(t) for t in input_ids)
         assert all(s.shape[0] == rows for s in states.values()), "states must hold exactly the records' rows"
         if rows > self.capacity:
-            raise EaglekitError(f"a batch of {rows} tokens exceeds the shard buffer ({self.capacity} tokens); raise shard_mb")
+            raise EaglekitError(f"a batch of {rows} tokens exceeds the shard buffer ({self.capacity} "
+                                "tokens); raise shard_mb")
         if self._current is not None and self._current.used + rows > self.capacity:
             self._submit()
         if self._current is None:
@@ -255,7 +257,8 @@ class ShardWriter:
                    "loss_mask": torch.cat(buffer.loss_mask).to(torch.uint8), "offsets": offsets}
         tensors.update({name: t[:n] for name, t in buffer.tensors.items()})
         name = shard_name(self.rank, index)
-        size, digest = write_bytes_atomically(self.directory, name, tensors, {"format": "eaglekit", **self.metadata}, self.fsync)
+        size, digest = write_bytes_atomically(self.directory, name, tensors, {"format": "eaglekit", **self.metadata},
+                                              self.fsync)
         entry = {"file": name, "rank": self.rank, "index": index, "records": list(buffer.ids), "num_tokens": n,
                  "bytes": size, "sha256": digest}
         fsync_append(self.directory / log_name(self.rank), json.dumps(entry))

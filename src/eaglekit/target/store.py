@@ -30,10 +30,12 @@ from eaglekit.manifest import file_sha256, read_manifest
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "eaglekit-hidden-states-v1"
-STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                  "float8_e4m3fn": torch.float8_e4m3fn}
 FP8 = "float8_e4m3fn"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+                       torch.float8_e4m3fn: "F8_E4M3",
                        torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
 RUN_FILE = "extract_run.json"
 _OPEN_SHARDS = 16  # shards a reader keeps open at once (shuffled training reads jump between shards)
@@ -69,7 +71,8 @@ class StoreLayout:
 
     def widths(self) -> dict[str, tuple[int, torch.dtype]]:
         """Per-token tensors: name -> (row width, dtype)."""
-        out = {"aux": (self.num_aux * self.hidden_size, self.torch_dtype), "final": (self.hidden_size, self.torch_dtype)}
+        out = {"aux": (self.num_aux * self.hidden_size, self.torch_dtype),
+               "final": (self.hidden_size, self.torch_dtype)}
         if self.quantized:
             out.update(aux_scale=(self.num_aux, torch.float32), final_scale=(1, torch.float32))
         return out
@@ -110,7 +113,8 @@ def write_safetensors(handle: BinaryIO, tensors: dict[str, torch.Tensor], metada
     offset = 0
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -157,8 +161,8 @@ def merge_shard_logs(directory: str | Path) -> list[dict[str, Any]]:
     for entry in entries:
         for record_id in entry["records"]:
             if record_id in seen:
-                raise EaglekitError(f"record {record_id} is in both {seen[record_id]} and {entry['file']} in {directory}; "
-                                    "re-run extract with --overwrite")
+                raise EaglekitError(f"record {record_id} is in both {seen[record_id]} and "
+                                    f"{entry['file']} in {directory}; re-run extract with --overwrite")
             seen[record_id] = entry["file"]
     return entries
 
@@ -215,8 +219,9 @@ class HiddenStateDataset:
             if not path.is_file():
                 raise EaglekitError(f"shard {path} is missing; re-run extract into {self.directory} to rebuild it")
             if self.verify_checksums and number not in self._verified and file_sha256(path) != entry["sha256"]:
-                raise EaglekitError(f"shard {path} is corrupt (sha256 differs from the manifest); delete it and its line in "
-                                    f"{log_name(entry['rank'])}, then re-run extract to rebuild it")
+                raise EaglekitError(f"shard {path} is corrupt (sha256 differs from the manifest); "
+                                    f"delete it and its line in {log_name(entry['rank'])}, then re-run "
+                                    "extract to rebuild it")
             try:
                 handle = safe_open(str(path), framework="pt")
                 offsets = handle.get_tensor("offsets").tolist()
@@ -249,16 +254,19 @@ class HiddenStateDataset:
         if aux_layer_ids is not None and aux_layer_convention and aux_layer_convention != convention:
             from eaglekit.target.capture import from_input_convention, to_input_convention
 
-            aux_layer_ids = from_input_convention(to_input_convention(tuple(aux_layer_ids), aux_layer_convention), convention)
+            aux_layer_ids = from_input_convention(to_input_convention(tuple(aux_layer_ids), aux_layer_convention),
+                                                  convention)
         checks = [("hidden_size", hidden_size, m["hidden_size"]),
-                  ("aux_layer_ids", list(aux_layer_ids) if aux_layer_ids is not None else None, list(m["aux_layer_ids"])),
+                  ("aux_layer_ids", list(aux_layer_ids) if aux_layer_ids is not None else None,
+                   list(m["aux_layer_ids"])),
                   ("tokenizer_hash", tokenizer_hash, m["tokenizer_hash"]),
                   ("target_config_hash", target_config_hash, m["target_config_hash"])]
         for name, wanted, stored in checks:
             if wanted is not None and wanted != stored:
                 raise EaglekitError(
                     f"hidden states in {self.directory} were extracted with {name}={stored} ({convention} ids, target "
-                    f"{m['target']}), but this run uses {wanted}; re-run extract for this target/drafter into a new out dir"
+                    f"{m['target']}), but this run uses {wanted}; re-run extract for this "
+                    "target/drafter into a new out dir"
                 )
 
 

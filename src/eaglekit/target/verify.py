@@ -80,8 +80,9 @@ def check_shapes(capture: HiddenStateCapture, batch: int, seq: int, hidden: int 
     for key, shape in shapes.items():
         if len(shape) != 3 or shape[:2] != [batch, seq] or (hidden is not None and shape[2] != hidden):
             raise EaglekitError(
-                f"captured {key} has shape {shape}, expected [batch={batch}, seq={seq}, hidden={hidden}]: {_where(capture)}; "
-                "the hooked module does not carry the decoder's residual stream. Pass decoder_path= explicitly."
+                f"captured {key} has shape {shape}, expected [batch={batch}, seq={seq}, "
+                f"hidden={hidden}]: {_where(capture)}; the hooked module does not carry the decoder's residual stream. "
+                "Pass decoder_path= explicitly."
             )
     return shapes
 
@@ -95,7 +96,8 @@ def _close(captured: torch.Tensor, reference: torch.Tensor) -> bool:
 
 def _compare(capture: HiddenStateCapture, hidden_states: tuple[torch.Tensor, ...], result: VerificationResult) -> None:
     num_layers = capture.stack.num_layers
-    pairs = [(f"aux{i}", capture.states[i], hidden_states[i]) for i in sorted(set(capture.aux_layers)) if i < num_layers]
+    pairs = [(f"aux{i}", capture.states[i], hidden_states[i]) for i in sorted(set(capture.aux_layers))
+             if i < num_layers]
     if capture.capture_final:
         last = hidden_states[-1]
         if not _close(capture.final_state, last) and capture.stack.norm is not None:
@@ -135,7 +137,8 @@ def verify_capture(
     hidden_states = getattr(output, "hidden_states", None)
     if not hidden_states or len(hidden_states) != capture.stack.num_layers + 1:
         count = len(hidden_states) if hidden_states else 0
-        result.reference = f"skipped: {type(model).__name__} returned {count} hidden states, expected {capture.stack.num_layers + 1}"
+        result.reference = (f"skipped: {type(model).__name__} returned {count} hidden states, expected "
+                            f"{capture.stack.num_layers + 1}")
         log.warning("capture verification: %s", result.reference)
     else:
         _compare(capture, tuple(hidden_states), result)
