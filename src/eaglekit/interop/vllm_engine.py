@@ -149,6 +149,22 @@ def stop(process: subprocess.Popen, grace: float = 20.0) -> None:
             continue
     with contextlib.suppress(ProcessLookupError, PermissionError):  # children that outlived the leader
         os.killpg(process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0  # a signal is delivered, not obeyed at once: return once they are gone
+    while _group_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_members(group: int) -> list[int]:
+    """Live (not zombie) processes of process group `group` (Linux /proc; [] elsewhere)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            state, _parent, process_group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if state != "Z" and int(process_group) == group:
+            members.append(int(entry.name))
+    return members
 
 
 def run_worker(engine: Engine, job: dict[str, Any], workdir: Path, name: str, timeout: float = 900.0,
