@@ -77,3 +77,17 @@ class OracleDrafter(nn.Module):
                 logits[0, j, self.sequence[p + 2]] = 20.0
         kv = torch.zeros(b, 1, t, 1)
         return hidden, logits, (kv, kv)
+
+
+def both_ttt_paths(drafter: nn.Module, aux, ids, loss_mask, probs, in_vocab, num_steps: int):
+    """`ttt_forward` and `naive_ttt_forward` on one batch, each backpropagated -> (fast, slow, fast's gradients by
+    parameter name); afterwards the drafter's `.grad` holds the naive path's gradients."""
+    from eaglekit.draft.ttt import naive_ttt_forward, ttt_forward
+
+    fast = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=num_steps)
+    fast.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+    slow = naive_ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=num_steps)
+    slow.loss.backward()
+    return fast, slow, grads

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from builders import both_ttt_paths
 from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
 from eaglekit.draft.ttt import (
     expected_acceptance,
@@ -101,12 +102,7 @@ def test_efficient_ttt_matches_naive(kv_heads: int) -> None:
     drafter = tiny_drafter(kv_heads=kv_heads).double()
     aux, ids, loss_mask, probs, in_vocab, _ = batch(drafter)
     aux, probs = aux.double(), probs.double()
-    fast = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
-    fast.loss.backward()
-    fast_grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
-    drafter.zero_grad()
-    slow = naive_ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
-    slow.loss.backward()
+    fast, slow, fast_grads = both_ttt_paths(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
     assert torch.allclose(fast.loss_sums, slow.loss_sums, rtol=1e-9, atol=1e-9)
     assert torch.equal(fast.correct, slow.correct) and torch.equal(fast.train_counts, slow.train_counts)
     assert torch.allclose(fast.loss, slow.loss, rtol=1e-10)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from builders import VOCAB, tiny_target
+from builders import VOCAB, both_ttt_paths, tiny_target
 from eaglekit.decode import generate
 from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-from eaglekit.draft.ttt import naive_ttt_forward, reference_fuse, reference_step, soft_labels, ttt_forward
+from eaglekit.draft.ttt import naive_ttt_forward, reference_fuse, reference_step, soft_labels
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import default_aux_layers
 
@@ -96,12 +96,7 @@ def test_efficient_ttt_matches_naive_per_variant(name):
     aux = torch.randn(b, t, 48, dtype=torch.float64)
     probs, in_vocab = soft_labels(torch.randn(b, t, VOCAB) * 3, drafter.t2d)
     probs = probs.double()
-    fast = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
-    fast.loss.backward()
-    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
-    drafter.zero_grad()
-    slow = naive_ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
-    slow.loss.backward()
+    fast, slow, grads = both_ttt_paths(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
     assert torch.allclose(fast.loss_sums, slow.loss_sums, rtol=1e-9, atol=1e-9)
     assert torch.equal(fast.correct, slow.correct)
     norms = [n for n in grads if n.startswith(("input_norm", "fc_norm"))]
