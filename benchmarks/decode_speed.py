@@ -80,8 +80,9 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
     return 2 * src.numel() / seconds
 
 
-def random_drafter(model, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-weight EAGLE-3 drafter of the target's width (what a step costs does not depend on its weights)."""
+def random_drafter(model, device: torch.device, dtype: torch.dtype, **fields) -> torch.nn.Module:
+    """A random-weight EAGLE-3 drafter of the target's width (what a step costs does not depend on its weights);
+    `fields`: `DrafterConfig` fields changed (e.g. drafter_arch="mla" and its dimensions)."""
     from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
     from eaglekit.target.capture import default_aux_layers
 
@@ -89,7 +90,8 @@ def random_drafter(model, device: torch.device, dtype: torch.dtype) -> torch.nn.
     config = DrafterConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
                            num_key_value_heads=c.num_key_value_heads, vocab_size=c.vocab_size,
                            draft_vocab_size=min(32000, c.vocab_size), target_hidden_size=c.hidden_size,
-                           aux_layer_ids=default_aux_layers(c.num_hidden_layers), rope_parameters=dict(c.rope_parameters))
+                           aux_layer_ids=default_aux_layers(c.num_hidden_layers), rope_parameters=dict(c.rope_parameters),
+                           **fields)
     drafter = Eagle3Drafter(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
     drafter.set_vocab_mapping(torch.arange(config.draft_vocab_size))
     return drafter

@@ -4,6 +4,7 @@ a step's cost does not depend on the weights' values, only on the shapes.
 
     python benchmarks/step_cost.py --output X.json                                   # GPU, 8B-shaped Llama, bf16
     python benchmarks/step_cost.py --output X.json --reference-bench runs/reference/run/bench/bench.json
+    python benchmarks/step_cost.py --shape reference --output X.json --profile       # the reference target's shape
     python benchmarks/step_cost.py --smoke --output /tmp/step_cost.json              # CPU, tiny shapes
 
 - `plain`: decode-phase milliseconds per token of eaglekit's plain fast path (static KV cache, compiled,
@@ -15,10 +16,16 @@ a step's cost does not depend on the weights' values, only on the shapes.
   same shapes: draft (the drafter's levels), verify forward (the target over the step's nodes),
   verification (greedy path), KV compaction (the accepted path's entries kept), drafter extend;
   `unattributed` = the fused step minus their sum (what running them as one graph saves, when negative).
+- `profile` (with `--profile`): the kernels of plain and of each default speculative step as they run (CUDA
+  graph replays under torch.profiler), GPU time per step by kind (GEMM, attention, top-k/sort, copies, other
+  inductor kernels), with the GEMMs' achieved bandwidth and the GPU's idle time within a step.
+- `mla` (with `--mla`): steps with an MLA drafter (DeepSeek-V3's latent ranks and head dims at this width),
+  which decode through the eager drafter loop (no static MLA step), and one draft level of each drafter.
 - `projection` (with `--reference-bench`): the speed-up at this shape that a drafter with the reference
   target's measured tau would give, tau x plain step / speculative step, beside the reference target's
   own measured speed-up. A projection, not a measurement: it assumes the same acceptance at this shape.
-Timings exclude warm-up and compilation and are medians of repeats.
+Timings exclude warm-up and compilation and are medians of repeats. The prefills are not timed, so they run
+traced but not compiled here: an 8B-shaped prefill compiled for a symbolic length costs minutes.
 """
 
 from __future__ import annotations
@@ -35,11 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import SHAPE_8B, SHAPE_SMOKE, build_model, copy_bandwidth, random_drafter  # noqa: E402
-from eaglekit.decode import Decoder  # noqa: E402
+from decode_speed import SHAPE_8B, SHAPE_REFERENCE, SHAPE_SMOKE, build_model, copy_bandwidth, random_drafter  # noqa: E402
+from eaglekit.decode import Decoder, graphs  # noqa: E402
 from eaglekit.decode.engine import DecodeOptions, decode_loop, draft_size, grow_tree  # noqa: E402
 from eaglekit.decode.fused import tree_mask  # noqa: E402
-from eaglekit.decode.graphs import GraphSteps, compiled  # noqa: E402
 from eaglekit.decode.static import StaticDrafter, StaticTarget  # noqa: E402
 from eaglekit.decode.verify import greedy_path  # noqa: E402
 from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
@@ -52,6 +58,16 @@ SHAPES = {
     "tree60": dict(method="tree", depth=6, tree_top_k=8, total_tokens=60),
 }
 DEFAULT_SHAPE = {"chain": "chain4", "tree": "tree48"}  # the shapes `eaglekit bench` measures by default
+MODEL_SHAPES = {"8b": SHAPE_8B, "reference": SHAPE_REFERENCE}
+# DeepSeek-V3's MLA ranks and per-head dims (its drafter's too), with the heads of the target the drafter serves
+MLA_FIELDS = dict(drafter_arch="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                  v_head_dim=128)
+# kernel kinds of `--profile`, first match wins (lower-case substrings of the kernel names)
+KERNEL_KINDS = (("attention", ("sdpa", "fmha", "flash", "attention")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk")),
+                ("topk_sort", ("topk", "sort")),
+                ("copy_memset", ("memcpy", "memset", "copy_kernel", "index_copy", "index_select")),
+                ("inductor_other", ("triton",)))
 
 
 def _sync(device: torch.device) -> None:
@@ -79,18 +95,22 @@ def call_ms(fn, device: torch.device, repeats: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def plain_ms(model, prompt: list[int], new_tokens: int, compile_: bool, fuse: bool, repeats: int) -> float:
-    """Decode-phase ms per token of plain decoding on a static target built with or without fused projections."""
+def plain_runner(model, prompt: list[int], new_tokens: int, compile_: bool, fuse: bool):
+    """A function decoding plainly on a static target built with or without fused projections -> its stats."""
     target = StaticTarget(model, len(prompt) + new_tokens + 8, None, compile=compile_, fuse_projections=fuse)
     options = DecodeOptions(method="plain")
     vocab = model.get_output_embeddings().weight.shape[0]
 
-    def run() -> float:
+    def run():
         target.reset()
-        stats = decode_loop(target, None, None, prompt, new_tokens, options, vocab).stats
-        return 1000 * stats.decode_seconds / max(stats.target_forwards - 1, 1)
-    run()  # compile, record the graphs
-    return statistics.median(run() for _ in range(repeats))
+        return decode_loop(target, None, None, prompt, new_tokens, options, vocab).stats
+    return run
+
+
+def plain_ms(run) -> float:
+    """Decode-phase ms per token of one plain `run()` (its stats)."""
+    stats = run()
+    return 1000 * stats.decode_seconds / max(stats.target_forwards - 1, 1)
 
 
 def step_ms(decoder: Decoder, prompt: list[int], new_tokens: int, options: dict, repeats: int) -> float:
@@ -124,7 +144,7 @@ def step_parts(model, drafter, prompt: list[int], shape: dict, compile_: bool, r
     root = (hidden[-1].clone(), draft_logits[-1].clone(), token.clone())
 
     def draft_part():
-        tree, ancestors = grow_tree(GraphSteps(backend, m), drafter, *root, m, options, vocab, None)
+        tree, ancestors = grow_tree(graphs.GraphSteps(backend, m), drafter, *root, m, options, vocab, None)
         return tree.tokens, tree.parents, tree.depths, ancestors
     tokens, parents, depths, ancestors = (x.clone() for x in draft_part())
     offsets = torch.arange(nodes, device=device)
@@ -146,7 +166,65 @@ def step_parts(model, drafter, prompt: list[int], shape: dict, compile_: bool, r
         return backend._extend(verify_aux[path], tokens[path], m + rows, m)
     parts = {"draft": draft_part, "verify_forward": verify_forward, "verification": verification,
              "kv_compaction": compaction, "drafter_extend": extend}
-    return {name: call_ms(compiled(fn, compile_), device, repeats, calls) for name, fn in parts.items()}
+    return {name: call_ms(graphs.compiled(fn, compile_), device, repeats, calls) for name, fn in parts.items()}
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
+
+
+def kernel_profile(run, steps_of, device: torch.device, top: int = 12) -> dict:
+    """GPU time per step by kernel kind, of one `run()` as it really runs (CUDA graph replays included; the
+    prefill's kernels count too, a few percent of 128 steps), and the step's wall time the kernels leave idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        result = run()
+        _sync(device)
+        wall = time.perf_counter() - start
+    steps = max(steps_of(result), 1)
+    kinds: dict[str, float] = {}
+    names: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kinds[kernel_kind(event.name)] = kinds.get(kernel_kind(event.name), 0.0) + event.device_time / 1000
+            names.setdefault(event.name[:100], []).append(event.device_time)
+    busy = sum(kinds.values())  # 0 where the profiler does not see the kernels a CUDA graph replays
+    top_kernels = sorted(names.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, "gpu_busy_ms_per_step": busy / steps,
+            "kernels_per_step": sum(len(v) for v in names.values()) / steps,
+            "ms_per_step_by_kind": {k: v / steps for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"name": n, "per_step": len(t) / steps, "us_per_step": sum(t) / steps} for n, t in top_kernels]}
+
+
+def mla_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repeats: int, base: float) -> dict:
+    """Steps of an MLA drafter (eager drafter loop over the static target) and one draft level of the MLA
+    drafter against the Llama-style one (eager; 1 node as a chain drafts, 8 as a tree level does)."""
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    mla = random_drafter(model, device, dtype, **MLA_FIELDS)
+    decoder = Decoder(model, mla, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
+    steps = {}
+    for name in DEFAULT_SHAPE.values():
+        ms = step_ms(decoder, prompt, new_tokens, SHAPES[name], repeats)
+        steps[name] = {"options": SHAPES[name], "step_ms": ms, "ratio_to_plain": ms / base}
+    level = {}
+    for arch, drafter in (("mla", mla), ("llama", random_drafter(model, device, dtype))):
+        hidden_size = drafter.config.hidden_size
+        for width in (1, 8):
+            hidden = torch.randn(1, width, hidden_size, device=device, dtype=dtype)
+            ids = torch.randint(0, drafter.config.vocab_size, (1, width), device=device)
+            positions = torch.arange(len(prompt), len(prompt) + width, device=device)[None]
+
+            def once():
+                with torch.inference_mode():
+                    drafter(hidden, ids, positions)
+            level[f"{arch}_{width}"] = call_ms(once, device, repeats, 10)
+    return {"drafter": {**MLA_FIELDS, "hidden_size": mla.config.hidden_size, "heads": mla.config.num_attention_heads},
+            "path": "eager drafter loop (the static step covers Llama-style drafters only)", "steps": steps,
+            "draft_level_ms_eager": level}
 
 
 def projection(reference_bench: str, plain: float, steps: dict[str, float]) -> list[dict]:
@@ -176,12 +254,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="speculative shapes to time (of: " + ", ".join(SHAPES) + ")")
     parser.add_argument("--parts", default="chain4,tree48", help="shapes whose step is also split into parts ('' = none)")
     parser.add_argument("--reference-bench", default="", help="a reference target's bench.json: project its tau to this shape")
+    parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="8b", help="the target's shape (random weights)")
+    parser.add_argument("--profile", action="store_true", help="kernel time by kind of plain and the default steps")
+    parser.add_argument("--no-separate", dest="separate", action="store_false",
+                        help="leave out plain decoding with separate q/k/v and gate/up projections")
+    parser.add_argument("--mla", action="store_true", help="also time steps with an MLA drafter (eager drafter loop)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     compile_ = device.type == "cuda"
     new_tokens = 12 if args.smoke else args.new_tokens
-    shape = SHAPE_SMOKE if args.smoke else SHAPE_8B
+    shape = SHAPE_SMOKE if args.smoke else MODEL_SHAPES[args.shape]
+    graphs.PREFILL_OPTIONS = {**graphs.PREFILL_OPTIONS, "backend": "eager"}  # not timed: traced, not compiled
+    graphs.PREFILL_OPTIONS.pop("mode", None)
     model = build_model(shape, device, dtype)
     drafter = random_drafter(model, device, dtype)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -203,14 +288,20 @@ def main(argv: list[str] | None = None) -> dict:
         atomic_write_json(args.output, result)
         Path(args.output).with_suffix(".md").write_text(markdown(result))
 
-    for name, fuse in (("fused_projections", True), ("separate_projections", False)):
-        ms = plain_ms(model, prompt, new_tokens, compile_, fuse, args.repeats)
+    def plain(name: str, fuse: bool):
+        run = plain_runner(model, prompt, new_tokens, compile_, fuse)
+        plain_ms(run)  # compile, record the graphs
+        ms = statistics.median(plain_ms(run) for _ in range(args.repeats))
         result["plain_step_ms"][name], result["plain_tokens_per_s"][name] = ms, 1000 / ms
         result["plain_fraction_of_bound"][name] = 1000 / ms / bound
         save()
+        return run
+
+    plain_run = plain("fused_projections", True)
     base = result["plain_step_ms"]["fused_projections"]
     decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
-    # the default shapes first, then their parts: what a run cut short must not lose
+    # what a run cut short must not lose comes first: the default shapes with their parts, their profile, then
+    # the other shapes, the separate projections, the MLA drafter
     names = sorted((s for s in args.shapes.split(",") if s), key=lambda n: n not in DEFAULT_SHAPE.values())
     for name in names:
         ms = step_ms(decoder, prompt, new_tokens, SHAPES[name], args.repeats)
@@ -220,6 +311,20 @@ def main(argv: list[str] | None = None) -> dict:
             parts = step_parts(model, drafter, prompt, SHAPES[name], compile_, args.repeats, args.calls)
             result["parts_ms"][name] = {**parts, "unattributed": ms - sum(parts.values())}
             save()
+        if args.profile and name == names[min(len(DEFAULT_SHAPE), len(names)) - 1]:
+            result["profile"] = {"plain": kernel_profile(plain_run, lambda stats: stats.target_forwards - 1, device)}
+            for step_name in (n for n in names if n in DEFAULT_SHAPE.values()):
+                result["profile"][step_name] = kernel_profile(
+                    lambda: decoder.generate(prompt, new_tokens, **SHAPES[step_name]).stats,
+                    lambda stats: len(stats.accepted), device)
+            gemm = result["profile"]["plain"]["ms_per_step_by_kind"].get("gemm")
+            result["profile"]["plain_gemm_bandwidth_fraction"] = model_bytes / (gemm / 1000) / bandwidth if gemm else None
+            save()
+    if args.separate:
+        plain("separate_projections", False)
+    if args.mla:
+        result["mla"] = mla_figures(model, prompt, new_tokens, compile_, args.repeats, base)
+        save()
     steps = {name: step["step_ms"] for name, step in result["steps"].items()}
     result["goals"] = {"plain>=0.75_of_bound": result["plain_fraction_of_bound"]["fused_projections"] >= 0.75,
                        "chain_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items() if k.startswith("chain")),
@@ -254,6 +359,23 @@ def markdown(result: dict) -> str:
             measured = row["reference_measured_speedup"]
             lines.append(f"| {row['method']} ({row['shape']}) | {row['temperature']:g} | {row['tau']:.2f} | {row['step_ratio']:.3f} | "
                          f"{row['projected_speedup']:.2f}x | {'' if measured is None else f'{measured:.2f}x'} |")
+    profile = {k: v for k, v in result.get("profile", {}).items() if isinstance(v, dict)}
+    if profile:
+        kinds = sorted({k for v in profile.values() for k in v["ms_per_step_by_kind"]})
+        lines += ["", "| profiled | wall ms/step | GPU busy ms | kernels/step | " + "".join(f"{k} ms | " for k in kinds),
+                  "|---|---|---|---|" + "---|" * len(kinds)]
+        for name, v in profile.items():
+            lines.append(f"| {name} | {v['wall_ms_per_step']:.3f} | {v['gpu_busy_ms_per_step']:.3f} | {v['kernels_per_step']:.0f} | "
+                         + "".join(f"{v['ms_per_step_by_kind'].get(k, 0):.3f} | " for k in kinds))
+        fraction = result["profile"].get("plain_gemm_bandwidth_fraction")
+        if fraction:
+            lines += ["", f"Plain step GEMMs read the weights at {fraction:.1%} of the copy bandwidth."]
+    if result.get("mla"):
+        mla = result["mla"]
+        lines += ["", f"MLA drafter ({mla['path']}): "
+                  + ", ".join(f"{n} {v['step_ms']:.3f} ms = {v['ratio_to_plain']:.3f}x plain" for n, v in mla["steps"].items())
+                  + "; one draft level (eager, ms): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in mla["draft_level_ms_eager"].items())]
     return "\n".join(lines) + "\n"
 
 

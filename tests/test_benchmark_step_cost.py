@@ -24,7 +24,7 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     step_cost = load("step_cost")
     out = tmp_path / "step_cost.json"
     result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4", "--parts", "chain4",
-                             "--repeats", "1", "--calls", "2", "--reference-bench", str(bench)])
+                             "--repeats", "1", "--calls", "2", "--reference-bench", str(bench), "--profile", "--mla"])
     written = json.loads(out.read_text())
     assert written["complete"] and written["steps"] == result["steps"]
     plain = result["plain_step_ms"]["fused_projections"]
@@ -35,7 +35,15 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert all(v > 0 for k, v in parts.items() if k != "unattributed")
     (row,) = result["projection"]
     assert row["reference_measured_speedup"] == 1.8 and row["projected_speedup"] == 3.0 * plain / step["step_ms"]
-    assert "| chain4 |" in (tmp_path / "step_cost.md").read_text()
+    assert set(result["plain_step_ms"]) == {"fused_projections", "separate_projections"}
+    profile = result["profile"]["chain4"]  # no GPU kernels on the CPU: the walls and step counts only
+    assert profile["steps"] >= 1 and profile["wall_ms_per_step"] > 0
+    assert set(result["profile"]) == {"plain", "chain4", "plain_gemm_bandwidth_fraction"}
+    mla = result["mla"]
+    assert set(mla["steps"]) == {"chain4", "tree48"} and mla["drafter"]["drafter_arch"] == "mla"
+    assert all(v > 0 for v in mla["draft_level_ms_eager"].values())
+    text = (tmp_path / "step_cost.md").read_text()
+    assert "| chain4 |" in text and "MLA drafter" in text
 
 
 def test_step_cost_cut_off_keeps_the_figures_it_measured(tmp_path, monkeypatch):
@@ -52,5 +60,5 @@ def test_step_cost_cut_off_keeps_the_figures_it_measured(tmp_path, monkeypatch):
         pass
     written = json.loads(out.read_text())
     assert written["complete"] is False and written["steps"] == {}
-    assert set(written["plain_step_ms"]) == {"fused_projections", "separate_projections"}
+    assert set(written["plain_step_ms"]) == {"fused_projections"}  # the separate projections come last
     assert "INCOMPLETE" in (tmp_path / "step_cost.md").read_text()
