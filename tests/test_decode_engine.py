@@ -292,6 +292,26 @@ def test_fused_greedy_step_ahead_fits_the_tightest_cache():
     assert result.tokens == hf_greedy(random_target, new)
 
 
+def test_fused_loop_launches_no_step_past_the_length_budget(monkeypatch):
+    """Once the steps in flight may reach max_new_tokens the loop queues no further step (it would run for nothing):
+    a generation ended by its length launches exactly the steps it reads. A first token that is EOS ends it too,
+    with the steps queued behind the prefill dropped."""
+    from eaglekit.decode import fused
+
+    launches = []
+    original = fused.FusedStep._launch
+    monkeypatch.setattr(fused.FusedStep, "_launch", lambda self, *a: launches.append(1) or original(self, *a))
+    target, drafter = always_right_pair()
+    decoder = Decoder(target, drafter, backend="static", max_length=64)
+    for new in (14, 13, 2):  # budgets ending mid-step, on a step's last token, and inside the first step
+        launches.clear()
+        result = decoder.generate(PROMPT, new, method="chain", chain_length=3)
+        assert result.tokens == [0] * new and result.finish_reason == "length", new
+        assert len(launches) == len(result.stats.accepted), (new, len(launches), result.stats.accepted)
+    result = decoder.generate(PROMPT, 14, method="chain", chain_length=3, eos_token_ids=(0,))
+    assert (result.tokens, result.finish_reason, result.stats.accepted) == ([0], "eos", [])
+
+
 class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts ops that move data between host and device: tensors made from host data (`torch.tensor`), and
     scalar reads (`.item()`, indexing with a 0-d tensor). On a GPU each is a copy, most a synchronisation."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
@@ -180,6 +181,22 @@ class _Output:
         return done
 
 
+def to_host(value: torch.Tensor) -> Callable[[], int]:
+    """Start copying a device scalar to the host without waiting; the returned function waits for that copy
+    alone (an event, not the whole stream) and gives the value."""
+    if not value.is_cuda:
+        return lambda: int(value)
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+
+    def read() -> int:
+        event.synchronize()
+        return int(host)
+    return read
+
+
 def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int], max_new_tokens: int,
                 options: DecodeOptions, vocab_size: int, on_tokens=None, fused=None) -> GenerateResult:
     """Run plain or speculative decoding on prepared backends (see module docstring). `fused`: a
@@ -195,9 +212,24 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
                                          torch.ones(n, n, dtype=torch.bool, device=device).tril(), last_only=True)
     token = choose(logits[-1], options.temperature, options.top_k, options.top_p, generator)  # ()
     stats.target_forwards += 1
-    done = out.add([int(token)])
-    stats.prefill_seconds = time.perf_counter() - start_time
+    first = to_host(token)
+
+    def read_first() -> bool:
+        """The first token reaches the host (the prefill's time ends there); True when generation is over."""
+        over = out.add([first()])
+        stats.prefill_seconds = time.perf_counter() - start_time
+        return over
+
     m = n
+    if fused is not None and max_new_tokens > 1:
+        # static fast path: the drafter's prefill and the first steps are queued before the first token is read,
+        # so the GPU does not wait for the host between the prefills and the steps (fused.py)
+        hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
+                                                      torch.arange(n, device=device))
+        fused.run(hidden[-1], draft_logits[-1], token, m, out, stats, generator, read_first)
+        done = True
+    else:
+        done = read_first()
     if not done and options.method == "plain":
         one = torch.ones(1, 1, dtype=torch.bool, device=device)
         pending: list[torch.Tensor] = []  # tokens still on the device: the host checks EOS every SYNC_EVERY steps
@@ -213,9 +245,6 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     elif not done:
         hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
                                                       torch.arange(n, device=device))
-        if fused is not None:  # static fast path: the whole step on the device, one step ahead (fused.py)
-            fused.run(hidden[-1], draft_logits[-1], token, m, out, stats, generator)
-            done = True
         while not done:
             with record_function("eaglekit.draft"):
                 tree, ancestors = grow_tree(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options,

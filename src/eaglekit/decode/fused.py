@@ -11,15 +11,17 @@ one CUDA graph:
     ->  accepted path, count and bonus (`greedy_path`, `sampled_chain_path`)  ->  keep the path's KV entries
     ->  extend the drafter by the path (padded to the longest path)  ->  the next root, m + count
 
-Everything a step needs (the root, the target length m, the drafter's stable length) lives in buffers
-the step updates in place, so step k+1 can be launched before step k's tokens reach the host: the loop
-keeps one step queued while it reads the previous one (one pinned copy and one event wait per step), and
-the GPU never idles on the host. The host only learns the tokens, checks EOS and the length budget, and
-drops the step queued after the last one. Sampling: a captured graph cannot take a generator, so a
+Everything a step needs (the root, the target length m, the drafter's stable length) lives in buffers the
+step updates in place, so step k+1 can be launched before step k's tokens reach the host: the loop keeps one
+step queued while it reads the previous one (one pinned copy and one event wait per step), and the GPU never
+idles on the host. The host only learns the tokens, checks EOS and the length budget, and drops the step
+queued after the last one; once the steps in flight may reach the length budget it queues none (so a
+generation ended by its length runs no step for nothing), and the drafter's prefill and the first steps are
+queued before the prefill's first token is read. Sampling: a captured graph cannot take a generator, so a
 step's uniforms are drawn from the seeded generator just before its launch, in the order and shapes the
-reference loop draws them (`_draw_shapes`), and handed to the step as `sampling.PreDrawn`: the tokens
-equal the reference loop's for every seed. Tests: equal tokens and acceptance to the eager reference,
-one graph per step, no host transfers that grow with the steps, no overrun of the tightest cache.
+reference loop draws them (`_draw_shapes`), and handed to the step as `sampling.PreDrawn`: the tokens equal
+the reference loop's for every seed. Tests: equal tokens and acceptance to the eager reference, one graph
+per step, no host transfers that grow with the steps, no overrun of the tightest cache.
 """
 
 from __future__ import annotations
@@ -142,9 +144,10 @@ class FusedStep:
         return torch.cat([count.reshape(1), new_tokens])
 
     def run(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor, length: int,
-            out, stats: DecodeStats, generator: torch.Generator | None = None) -> None:
+            out, stats: DecodeStats, generator: torch.Generator | None = None, read_first=None) -> None:
         """Decode after the prefill (state: the drafter's output at the last prompt position, the first
-        token, `length` cached tokens) until `out` says stop."""
+        token, `length` cached tokens) until `out` says stop. `read_first()`: hands the first token to `out`
+        (True: generation is over), called once the first steps are queued, so they run while it waits."""
         state = self.state
         state.hidden.copy_(root_hidden)
         state.logits.copy_(root_logits)
@@ -153,10 +156,15 @@ class FusedStep:
         queued: deque = deque()  # (host buffer, event) of launched steps not yet read
         done, confirmed, launched = False, length, 0
         while not done:
-            # queue steps (at most two: one running, one waiting) while the cache surely has room for them
-            while len(queued) < 2 and confirmed + self.path * len(queued) + self.nodes <= self.capacity:
+            # queue steps (at most two: one running, one waiting) while the cache surely has room for them, and
+            # no further one once the steps in flight may reach the length budget (it would run for nothing)
+            while (len(queued) < 2 and confirmed + self.path * len(queued) + self.nodes <= self.capacity
+                   and not (queued and len(out.tokens) + self.path * len(queued) >= out.max_new_tokens)):
                 queued.append(self._launch(launched % 2, generator))
                 launched += 1
+            if read_first is not None:
+                done, read_first = read_first(), None
+                continue
             if not queued:
                 raise EaglekitError(f"static KV cache full ({self.capacity} slots); raise max_length")
             host, event = queued.popleft()
