@@ -15,13 +15,14 @@ Everything a step needs (the root, the target length m, the drafter's stable len
 step updates in place, so step k+1 can be launched before step k's tokens reach the host: the loop keeps one
 step queued while it reads the previous one (one pinned copy and one event wait per step), and the GPU never
 idles on the host. The host only learns the tokens, checks EOS and the length budget, and drops the step
-queued after the last one; once the steps in flight may reach the length budget it queues none (so a
-generation ended by its length runs no step for nothing), and the drafter's prefill and the first steps are
-queued before the prefill's first token is read. Sampling: a captured graph cannot take a generator, so a
-step's uniforms are drawn from the seeded generator just before its launch, in the order and shapes the
-reference loop draws them (`_draw_shapes`), and handed to the step as `sampling.PreDrawn`: the tokens equal
-the reference loop's for every seed. Tests: equal tokens and acceptance to the eager reference, one graph
-per step, no host transfers that grow with the steps, no overrun of the tightest cache.
+queued after the last one; once the steps in flight would reach the length budget (at the tokens per step
+seen so far) it queues none, so a generation ended by its length mostly runs no step for nothing; and the
+drafter's prefill and the first steps are queued before the prefill's first token is read. Sampling: a
+captured graph cannot take a generator, so a step's uniforms are drawn from the seeded generator just before
+its launch, in the order and shapes the reference loop draws them (`_draw_shapes`), and handed to the step
+as `sampling.PreDrawn`: the tokens equal the reference loop's for every seed. Tests: equal tokens and
+acceptance to the eager reference, one graph per step, no host transfers that grow with the steps, no
+overrun of the tightest cache.
 """
 
 from __future__ import annotations
@@ -154,12 +155,15 @@ class FusedStep:
         state.token.copy_(root_token)
         state.length.fill_(length)
         queued: deque = deque()  # (host buffer, event) of launched steps not yet read
-        done, confirmed, launched = False, length, 0
+        done, confirmed, launched, read = False, length, 0, 0
         while not done:
             # queue steps (at most two: one running, one waiting) while the cache surely has room for them, and
-            # no further one once the steps in flight may reach the length budget (it would run for nothing)
+            # none once the steps in flight, at this generation's tokens per step so far, would reach the length
+            # budget: it would likely run for nothing (and a wrong guess costs one host round trip, not a step)
+            produced = len(out.tokens) + (read_first is not None)  # a first token not read yet is on its way
+            per_step = (confirmed - length) / read if read else 1.0
             while (len(queued) < 2 and confirmed + self.path * len(queued) + self.nodes <= self.capacity
-                   and not (queued and len(out.tokens) + self.path * len(queued) >= out.max_new_tokens)):
+                   and not (queued and produced + per_step * len(queued) >= out.max_new_tokens)):
                 queued.append(self._launch(launched % 2, generator))
                 launched += 1
             if read_first is not None:
@@ -175,6 +179,7 @@ class FusedStep:
             stats.accepted.append(count - 1)
             stats.target_forwards += 1
             confirmed += count
+            read += 1
             done = out.add(values[1 : 1 + count])
         for _, event in queued:  # the step queued after the last one: its time counts, its tokens do not
             if event is not None:
