@@ -220,12 +220,15 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
         stats.prefill_seconds = time.perf_counter() - start_time
         return over
 
+    def prefill_drafter():
+        """The drafter's first extend: the prompt's aux states with the next token of each position."""
+        return drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]), torch.arange(n, device=device))
+
     m = n
     if fused is not None and max_new_tokens > 1:
         # static fast path: the drafter's prefill and the first steps are queued before the first token is read,
         # so the GPU does not wait for the host between the prefills and the steps (fused.py)
-        hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
-                                                      torch.arange(n, device=device))
+        hidden, draft_logits = prefill_drafter()
         fused.run(hidden[-1], draft_logits[-1], token, m, out, stats, generator, read_first)
         done = True
     else:
@@ -243,8 +246,7 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
                 done = out.add(torch.stack(pending).tolist())  # tokens after an EOS are dropped here
                 pending = []
     elif not done:
-        hidden, draft_logits = drafter_backend.extend(aux, torch.cat([prompt[1:], token.reshape(1)]),
-                                                      torch.arange(n, device=device))
+        hidden, draft_logits = prefill_drafter()
         while not done:
             with record_function("eaglekit.draft"):
                 tree, ancestors = grow_tree(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options,

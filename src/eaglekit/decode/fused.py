@@ -155,12 +155,13 @@ class FusedStep:
         state.token.copy_(root_token)
         state.length.fill_(length)
         queued: deque = deque()  # (host buffer, event) of launched steps not yet read
-        done, confirmed, launched, read = False, length, 0, 0
+        done, confirmed, launched = False, length, 0
         while not done:
             # queue steps (at most two: one running, one waiting) while the cache surely has room for them, and
             # none once the steps in flight, at this generation's tokens per step so far, would reach the length
             # budget: it would likely run for nothing (and a wrong guess costs one host round trip, not a step)
             produced = len(out.tokens) + (read_first is not None)  # a first token not read yet is on its way
+            read = len(stats.accepted)  # steps read so far
             per_step = (confirmed - length) / read if read else 1.0
             while (len(queued) < 2 and confirmed + self.path * len(queued) + self.nodes <= self.capacity
                    and not (queued and produced + per_step * len(queued) >= out.max_new_tokens)):
@@ -179,7 +180,6 @@ class FusedStep:
             stats.accepted.append(count - 1)
             stats.target_forwards += 1
             confirmed += count
-            read += 1
             done = out.add(values[1 : 1 + count])
         for _, event in queued:  # the step queued after the last one: its time counts, its tokens do not
             if event is not None:
