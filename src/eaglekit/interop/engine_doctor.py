@@ -28,13 +28,15 @@ from eaglekit.interop.pysource import ModuleIndex
 def diagnose(engine: str, target: str, engine_source: str = "", plugins: tuple[str, ...] = (),
              installed_plugins: bool = True) -> dict[str, Any]:
     """The full report for `target` on `engine` (see the module docstring)."""
-    from eaglekit.interop.engine_source import open_source
+    from eaglekit.interop.engine_source import DirectorySource, open_source
     from eaglekit.interop.plugin import find_registrations
 
     parsed = read_target(target)
     source = open_source(engine, engine_source)
     if engine == "vllm":
-        registrations, plugin_sources = find_registrations(plugins, installed_plugins)
+        # a plugin counts where vLLM would load it: beside the vLLM read, when that is an installed one
+        site = source.root if isinstance(source, DirectorySource) and any(source.root.glob("*.dist-info")) else None
+        registrations, plugin_sources = find_registrations(plugins, installed_plugins, site)
         index = ModuleIndex([source, *plugin_sources])
         report = check_vllm(index, source, parsed, registrations)
         report["plugins"] = registrations

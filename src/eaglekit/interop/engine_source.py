@@ -117,17 +117,28 @@ def _installed_root(package: str) -> Path | None:
     return None
 
 
+def _engine_venv_root(engine: str) -> Path | None:
+    """The site-packages of the engine's own venv that holds the package (vLLM: `make vllm-env`'s .venv-vllm)."""
+    if engine != "vllm":
+        return None
+    from eaglekit.interop.vllm_engine import venv_site_packages
+
+    return venv_site_packages()
+
+
 def open_source(engine: str, location: str = "") -> EngineSource:
-    """The engine's source from `location` (package dir, checkout, wheel) or the installed package."""
+    """The engine's source from `location` (package dir, checkout, wheel), else the package installed in this
+    environment, else (vLLM) the one in its own venv (`make vllm-env`), which `bench engine=vllm` also runs."""
     if engine not in PACKAGES:
         raise EaglekitError(f"unknown engine '{engine}'; use one of {', '.join(PACKAGES)}")
     package = PACKAGES[engine]
     hint = (f"pass engine_source=PATH: the installed {package} package directory, a source checkout, or a wheel "
             f"(pip download {package} --no-deps -d wheels/)")
     if not location:
-        root = _installed_root(package)
+        root = _installed_root(package) or _engine_venv_root(engine)
         if root is None:
-            raise EaglekitError(f"{package} is not installed in this environment; {hint}")
+            venv = " (nor in .venv-vllm: `make vllm-env` builds it)" if engine == "vllm" else ""
+            raise EaglekitError(f"{package} is not installed in this environment{venv}; {hint}")
         return DirectorySource(package, root)
     path = Path(location).expanduser()
     if path.is_file() and path.suffix == ".whl":

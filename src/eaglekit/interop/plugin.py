@@ -201,9 +201,11 @@ def _scan_project(project: Path) -> tuple[list[dict[str, Any]], list[EngineSourc
     return registrations, sources
 
 
-def find_registrations(plugin_dirs: tuple[str, ...] = (),
-                       installed: bool = True) -> tuple[list[dict[str, Any]], list[EngineSource]]:
-    """vLLM plugin registrations from plugin project dirs and installed entry points, read without importing."""
+def find_registrations(plugin_dirs: tuple[str, ...] = (), installed: bool = True,
+                       site: Path | None = None) -> tuple[list[dict[str, Any]], list[EngineSource]]:
+    """vLLM plugin registrations from plugin project dirs and installed entry points, read without importing.
+    Installed ones: those of the distributions in `site` (the site-packages vLLM itself is read from), else of
+    this environment."""
     registrations: list[dict[str, Any]] = []
     sources: list[EngineSource] = []
     for directory in plugin_dirs:
@@ -217,7 +219,12 @@ def find_registrations(plugin_dirs: tuple[str, ...] = (),
             registrations += found
             sources += roots
     if installed:
-        for entry_point in importlib.metadata.entry_points(group=GROUP):
+        if site is None:
+            entry_points = list(importlib.metadata.entry_points(group=GROUP))
+        else:
+            entry_points = [entry_point for dist in importlib.metadata.distributions(path=[str(site)])
+                            for entry_point in dist.entry_points if entry_point.group == GROUP]
+        for entry_point in entry_points:
             dist = entry_point.dist
             if dist is None or not dist.files:
                 continue

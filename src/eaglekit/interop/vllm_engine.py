@@ -49,14 +49,25 @@ class Engine:
 
 # ---- finding vLLM ---------------------------------------------------------------------------------
 
+def _venvs() -> list[Path]:
+    """`.venv-vllm` here and in the source checkout, where they exist."""
+    return [root / DEFAULT_VENV for root in dict.fromkeys((Path.cwd(), CHECKOUT)) if (root / DEFAULT_VENV).is_dir()]
+
+
 def default_python() -> str | None:
     """This Python when it imports vLLM, else `.venv-vllm/bin/python` here or in the source checkout."""
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    for root in (Path.cwd(), CHECKOUT):
-        candidate = root / DEFAULT_VENV / "bin" / "python"
-        if candidate.is_file():
-            return str(candidate)
+    pythons = [venv / "bin" / "python" for venv in _venvs()]
+    return next((str(python) for python in pythons if python.is_file()), None)
+
+
+def venv_site_packages() -> Path | None:
+    """The site-packages holding vLLM in `.venv-vllm` (here or in the source checkout), found without running it."""
+    for venv in _venvs():
+        for site in sorted(venv.glob("lib/python3*/site-packages")):
+            if (site / "vllm" / "__init__.py").is_file():
+                return site
     return None
 
 

@@ -131,7 +131,7 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
     for ids in prompts if config.warmup and not method.startswith("hf") else prompts[: config.warmup]:
         runner(method, ids, temperature)
     tokens, seconds, accepted, prefill, forwards = 0, 0.0, [], 0.0, 0
-    for ids in tqdm(prompts, desc=f"{method} T={temperature}", leave=False):
+    for ids in tqdm(prompts, desc=f"{method} T={temperature}", leave=False, disable=None):  # no bar off a terminal
         runs = [runner(method, ids, temperature) for _ in range(config.repeats)]
         tokens += runs[0][0]
         seconds += statistics.median(r[1] for r in runs)
