@@ -224,6 +224,26 @@ def test_cli_json_and_fix(tmp_path, capsys):
     assert ast.parse((next(out.rglob("model.py"))).read_text())
 
 
+def test_fix_rewrites_its_own_plugin_and_refuses_a_foreign_folder(tmp_path, capsys):
+    config = target_config(tmp_path, "ToyVLForConditionalGeneration")
+    fix = ["doctor", "--engine", "vllm", "--target", config, "--engine_source", str(VLLM_TREE), "--fix",
+           "installed_plugins=false"]
+    own, foreign = tmp_path / "own", tmp_path / "foreign"
+    for _ in range(2):  # an earlier --fix's folder is rewritten
+        assert main([*fix, "--fix_output", str(own)]) == 0
+    project = next(own.iterdir())
+    mine = foreign / project.name  # the same project folder name, written by someone else
+    mine.mkdir(parents=True)
+    (mine / "pyproject.toml").write_text("# my own plugin\n")
+    capsys.readouterr()
+    assert main([*fix, "--fix_output", str(foreign)]) == 1
+    error = capsys.readouterr().err
+    assert "was not written by eaglekit" in error and "overwrite=true" in error and "Traceback" not in error
+    assert (mine / "pyproject.toml").read_text() == "# my own plugin\n" and len(list(mine.iterdir())) == 1
+    assert main([*fix, "--fix_output", str(foreign), "overwrite=true"]) == 0
+    assert (mine / "pyproject.toml").read_text() == (project / "pyproject.toml").read_text()
+
+
 def test_target_report_without_engine(capsys):
     assert main(["doctor", "--target", "tiny", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

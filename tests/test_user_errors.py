@@ -23,6 +23,7 @@ import torch
 
 from eaglekit.cli import main
 from eaglekit.errors import EaglekitError
+from eaglekit.manifest import claim_output
 
 CHAT = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"}]
 
@@ -162,9 +163,14 @@ def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_ta
     before = snapshot(tmp_path)
     for args in (("import", str(drafter_dir), f"output={foreign}"),
                  ("vocab", str(data), f"target={chat_target}", f"output={foreign}"),
-                 ("train", f"target={chat_target}", f"data={data}", f"output={foreign}")):
+                 ("train", f"target={chat_target}", f"data={data}", f"output={foreign}"),
+                 ("run", f"target={chat_target}", f"data={data}", f"out={foreign}")):
         in_process(capsys, *args)  # noqa: B018 - asserts exit 1 and one error line
     assert_unchanged(before, tmp_path)
+    legacy = tmp_path / "legacy-run"  # a run directory written before owner files: still the run's own
+    (legacy / "regen").mkdir(parents=True)
+    (legacy / "run.yaml").write_text("target: tiny\n")
+    assert claim_output(legacy, "run") == legacy
     own = tmp_path / "vocab"
     for _ in range(2):  # the second run rewrites its own folder
         assert main(["vocab", str(data), f"target={chat_target}", f"output={own}"]) == 0

@@ -140,6 +140,8 @@ def claim_output(directory: str | Path, stage: str, overwrite: bool = False) -> 
     foreign = [p.name for p in directory.iterdir() if p.name not in BOOKKEEPING] if directory.is_dir() else []
     if owner is None and (directory / ".run-key").is_file():
         owner = stage  # a step folder of `eaglekit run` from before owner files: the pipeline made it for this stage
+    if owner is None and (directory / "run.yaml").is_file():
+        owner = "run"  # a run directory from before owner files (`eaglekit run` saves its resolved config there)
     if foreign and owner != stage:
         written_by = f"was written by `eaglekit {owner}`" if owner else "was not written by eaglekit"
         if not overwrite:

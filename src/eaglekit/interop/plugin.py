@@ -21,7 +21,7 @@ from typing import Any
 
 from eaglekit.errors import EaglekitError
 from eaglekit.interop.engine_source import DirectorySource, EngineSource
-from eaglekit.manifest import atomic_write_text
+from eaglekit.manifest import atomic_write_text, claim_output
 
 GROUP = "vllm.general_plugins"
 GETTERS = ("get_eagle3_default_aux_hidden_state_layers", "get_eagle3_aux_hidden_state_layers")
@@ -106,8 +106,10 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def write_vllm_plugin(report: dict[str, Any], output: str | Path) -> Path:
-    """Write the plugin package for the wrapper in `report` (a vLLM doctor report) under `output`."""
+def write_vllm_plugin(report: dict[str, Any], output: str | Path, overwrite: bool = False) -> Path:
+    """Write the plugin package for the wrapper in `report` (a vLLM doctor report) under `output`: a project
+    folder named after the package, which an earlier `--fix` may have written (it is rewritten) and nothing else
+    may have, unless `overwrite`."""
     if report["engine"] != "vllm":
         raise EaglekitError("--fix writes a vLLM plugin; SGLang has no out-of-tree model registration hook to use")
     if report["verdict"] == "supported":
@@ -126,7 +128,7 @@ def write_vllm_plugin(report: dict[str, Any], output: str | Path) -> Path:
               "wrapper": report["class"]["class"], "module": report["class"]["module"],
               "inner": wrapper["inner"]["class"], "getters": GETTERS, "version": report["engine_version"],
               "distribution": package.replace("_", "-")}
-    root = Path(output) / package.replace("_", "-")
+    root = claim_output(Path(output) / package.replace("_", "-"), "doctor", overwrite)
     atomic_write_text(root / "pyproject.toml", PYPROJECT_TEMPLATE.format(**fields))
     atomic_write_text(root / package / "model.py", MODEL_TEMPLATE.format(**fields))
     atomic_write_text(root / package / "__init__.py", INIT_TEMPLATE.format(**fields))

@@ -38,6 +38,8 @@ class Config:
     installed_plugins: bool = option(True, "also read vllm.general_plugins entry points installed in this environment")
     fix: bool = option(False, "vLLM: write an out-of-tree plugin that adds EAGLE-3 delegation to a wrapper class")
     fix_output: str = option("eaglekit-plugins", "directory the --fix plugin package is written under")
+    overwrite: bool = option(False, "--fix: write the plugin's project folder even where something other than an "
+                                    "earlier --fix wrote it")
     json: bool = option(False, "print the report as JSON")
     trust_remote_code: bool = option(False, "target report: allow the target's own modelling code")
 
@@ -69,7 +71,7 @@ def run(config: Config) -> dict[str, Any]:
         from eaglekit.interop.plugin import write_vllm_plugin
 
         try:
-            report["plugin_written"] = str(write_vllm_plugin(report, config.fix_output))
+            report["plugin_written"] = str(write_vllm_plugin(report, config.fix_output, config.overwrite))
         except EaglekitError as error:  # print the report that explains why first
             fix_error = error
     print(json.dumps(report, indent=2, default=str) if config.json else format_report(report))

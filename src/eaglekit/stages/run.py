@@ -50,6 +50,7 @@ class Config:
     data: tuple[str, ...] = option((), "prompt/conversation files; 'tiny' = the shipped tiny prompts; paths "
                                        "may be package-relative")
     out: str = option("", "run directory: one subfolder per stage, run.yaml, run.json, report.md")
+    overwrite: bool = option(False, "run into a directory that is not empty and was not written by eaglekit run")
     device: str = option("auto", "device for every stage that loads a model (a section's own device wins)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code in every stage")
     stages: tuple[str, ...] = option(PIPELINE,
@@ -312,12 +313,11 @@ def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
 
 
 def run(config: Config) -> dict[str, Any]:
-    from eaglekit.manifest import atomic_write_json
+    from eaglekit.manifest import atomic_write_json, claim_output
     from eaglekit.report import headline_text, write_report
 
     steps = plan(config)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_output(config.out, "run", config.overwrite)
     save_resolved(config, out, name="run.yaml")
     log.info("run: %d stages into %s: %s", len(steps), out, ", ".join(s.name for s in steps))
     records = run_steps(steps)
