@@ -136,3 +136,29 @@ def test_online_training_data_is_counted_with_the_target_tokenizer(chat_target, 
     text = write_report(out).path.read_text()
     assert f"- records: 2; tokens: {tokens}; loss-masked (assistant) tokens: {learned} ({learned / tokens:.1%})" in text
     assert json.loads((out / "report-data.json").read_text())["key"] == "abc"
+
+
+def test_served_by_vllm_says_whether_the_drafter_kept_vllms_output(tmp_path):
+    """The section's lines: T=0 the same greedy ids, T > 0 the same sampling distribution (with p and counts)."""
+    out = tmp_path / "run"
+    synthetic_run(out, "t")
+    bench = json.loads((out / "bench" / "bench.json").read_text())
+    vllm = {"engine": "vllm", "engine_version": "0.32.0", "new_tokens": 100, "ms_per_token": 1.0}
+    check = {"samples": [400, 400], "positions": 5, "p_value": 3.2e-40, "alpha": 0.001, "matches_plain": False}
+    bench["rows"] += [{"method": "vllm_plain", "temperature": 0.0, "tokens_per_second": 50.0, **vllm},
+                      {"method": "vllm_eagle3", "temperature": 0.0, "tokens_per_second": 90.0, "tau": 2.8,
+                       "acceptance_per_position": [0.7, 0.5, 0.3], "outputs_equal_plain": 1.0, **vllm},
+                      {"method": "vllm_plain", "temperature": 1.0, "tokens_per_second": 45.0, **vllm},
+                      {"method": "vllm_eagle3", "temperature": 1.0, "tokens_per_second": 20.0, "tau": 1.05,
+                       "acceptance_per_position": [0.04, 0.01, 0.0], "distribution": check, **vllm}]
+    bench["config"]["engine"] = "vllm"
+    bench["vllm"] = {"version": "0.32.0", "python": "/venv/bin/python"}
+    dump(out / "bench" / "bench.json", bench)
+    text = write_report(out).path.read_text()
+    section = text[text.index("## Served by vLLM"):]
+    assert "(T=0, fp32): tau 2.800, acceptance per position 0.700 0.500 0.300" in section
+    assert "- T=0: vLLM's output with the drafter equals its plain greedy output on 100% of the prompts" in section
+    assert ("- T=1: vLLM's output with the drafter does NOT follow its plain output's distribution (p = 3.2e-40, 400 "
+            "samples x 5 positions; a lossless engine passes unless p < 0.001): its speculative sampling is not "
+            "lossless here") in section
+    assert "| vllm_eagle3 | 1 | 20.0 | 1.00 | 0.44x vs vllm_plain |" in text

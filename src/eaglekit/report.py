@@ -157,7 +157,7 @@ def bench_markdown(rows: list[dict[str, Any]]) -> list[str]:
 
 def vllm_sweep_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The served-by-vLLM concurrency sweep of bench rows: tokens/s without and with the drafter, speed-up, tau."""
-    by_name = {r["method"]: r for r in rows if r.get("engine") == "vllm" and "error" not in r}
+    by_name = {r["method"]: r for r in rows if r.get("engine") == "vllm" and "error" not in r and r["temperature"] == 0}
     plain, eagle = by_name.get("vllm_plain"), by_name.get("vllm_eagle3")
     if not plain or not eagle or not eagle.get("concurrency"):
         return []
@@ -172,6 +172,27 @@ def vllm_sweep_markdown(rows: list[dict[str, Any]]) -> list[str]:
         speedup = f"{speed / base_speed:.2f}x" if speed and base_speed else "n/a"
         lines.append(f"| {level['concurrency']} | {level['requests']} | {_fmt(base_speed, '.1f')} | "
                      f"{_fmt(speed, '.1f')} | {speedup} | {_fmt(level.get('tau'), '.3f')} |")
+    return lines
+
+
+def vllm_lossless_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per vLLM temperature: did the drafter keep vLLM's own output (T=0: the same ids per prompt;
+    T > 0: the same distribution of the first speculative step's tokens)?"""
+    lines = []
+    for row in rows:
+        if row.get("method") != "vllm_eagle3" or "error" in row:
+            continue
+        check = row.get("distribution")
+        if check:
+            verdict = "follows" if check["matches_plain"] else "does NOT follow"
+            lines.append(f"- T={row['temperature']:g}: vLLM's output with the drafter {verdict} its plain output's "
+                         f"distribution (p = {check['p_value']:.2g}, {check['samples'][1]} samples x "
+                         f"{check['positions']} positions; a lossless engine passes unless p < {check['alpha']:g})"
+                         + ("" if check["matches_plain"] else ": its speculative sampling is not lossless here, "
+                            "and its tau is not the acceptance of the target's own samples"))
+        elif "outputs_equal_plain" in row:
+            lines.append(f"- T={row['temperature']:g}: vLLM's output with the drafter equals its plain greedy output "
+                         f"on {row['outputs_equal_plain']:.0%} of the prompts")
     return lines
 
 
@@ -369,15 +390,16 @@ def _section_served_by_vllm(info: dict[str, Any]) -> list[str]:
     if failed or not rows:
         return lines + [f"vLLM did not finish: {(failed[0]['error'] if failed else 'no vLLM rows in bench.json')}"]
     vllm = bench.get("vllm") or {}
-    eagle = next((r for r in rows if r["method"] == "vllm_eagle3"), {})
+    eagle = next((r for r in rows if r["method"] == "vllm_eagle3" and r["temperature"] == 0), {})
     chain = next((r for r in bench.get("rows", []) if r["method"] == "chain" and r["temperature"] == 0), None)
     lines.append(f"vLLM {vllm.get('version')} (`{vllm.get('python')}`) ran the target with and without "
                  f"the exported drafter on the same prompt ids (T=0, fp32): tau {_fmt(eagle.get('tau'), '.3f')}, "
                  "acceptance per position "
                  + " ".join(f"{x:.3f}" for x in eagle.get("acceptance_per_position", [])) + " (vLLM's own counters)"
                  + (f"; eaglekit's chain: tau {_fmt(chain.get('tau'), '.3f')}." if chain and "tau" in chain else "."))
+    lossless = vllm_lossless_markdown(rows)
     sweep = vllm_sweep_markdown(rows)
-    return lines + (["", *sweep] if sweep else [])
+    return lines + (["", *lossless] if lossless else []) + (["", *sweep] if sweep else [])
 
 
 def _served_target(info: dict[str, Any]) -> str:

@@ -1,13 +1,15 @@
 """`eaglekit bench ... engine=vllm`: the same prompts through the real vLLM, with and without the drafter.
 
-Two measurements, both at T=0 in fp32:
-- offline (`vllm.LLM` in vLLM's own Python, all prompts in one `generate` call): vLLM's spec-decode
-  counters give tau and acceptance per position, and the output ids show whether speculative decoding
-  kept vLLM's own greedy output;
-- served (`vllm serve` on 127.0.0.1): output tokens/s at each concurrency of the sweep (1, 4, 16
+Two measurements in fp32:
+- offline (`vllm.LLM` in vLLM's own Python, all prompts in one `generate` call), at T=0 and at every other
+  temperature asked for: vLLM's spec-decode counters give tau and acceptance per position. At T=0 the output
+  ids show whether speculative decoding kept vLLM's own greedy output; at T > 0, samples of every prompt
+  with and without the drafter show whether it kept vLLM's own output distribution (`distribution.compare`);
+- served (`vllm serve` on 127.0.0.1, T=0): output tokens/s at each concurrency of the sweep (1, 4, 16
   requests in flight), with the server's counters over the same requests.
-The rows (`vllm_plain`, `vllm_eagle3`) go into bench.json beside eaglekit's own methods; their
-`tokens_per_second` is the served figure at concurrency 1 (one request at a time, as eaglekit's rows).
+The rows (`vllm_plain`, `vllm_eagle3`, one pair per temperature) go into bench.json beside eaglekit's own
+methods; at T=0 their `tokens_per_second` is the served figure at concurrency 1 (one request at a time, as
+eaglekit's rows), at T > 0 the offline batch's.
 """
 
 from __future__ import annotations
@@ -57,15 +59,24 @@ def engine_error(run: dict[str, Any], engine: ve.Engine, target: str, log_path: 
     return EaglekitError(f"vLLM {engine.version} rejected run {run['name']}: {text[:400]}; {fix} (log: {log_path})")
 
 
+def sample_specs(temperatures: tuple[float, ...], samples: int, num_prompts: int,
+                 speculative_tokens: int) -> list[dict[str, Any]]:
+    """The worker's `sampled` entries: each temperature above 0, about `samples` draws in all (the same number
+    of each prompt) of the first speculative step's tokens (the prefill's, then up to k drafts and the bonus)."""
+    per_prompt = max(1, -(-samples // num_prompts))
+    return [{"temperature": t, "samples_per_prompt": per_prompt, "sample_tokens": speculative_tokens + 2}
+            for t in dict.fromkeys(temperatures) if t > 0]
+
+
 def offline(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
-            speculative_tokens: int, workdir: Path) -> dict[str, dict[str, Any]]:
+            speculative_tokens: int, workdir: Path, sampled: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
     """Both offline runs in one worker process -> {name: worker result} (raises on a refusal)."""
     args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     runs = [{"name": PLAIN, "model": target, "speculative_config": None},
             {"name": EAGLE3, "model": target,
              "speculative_config": ve.speculative_config(drafter, speculative_tokens, engine.device_type)}]
-    job = {"kind": "generate", "runs": [{**r, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_args": args}
-                                        for r in runs]}
+    job = {"kind": "generate", "runs": [{**r, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_args": args,
+                                         "sampled": list(sampled)} for r in runs]}
     result = ve.run_worker(engine, job, workdir, "offline")
     for run in result["runs"]:
         if "error" in run:
@@ -143,27 +154,62 @@ def rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], sweeps: dic
             "concurrency": levels,
             "outputs_equal_plain": sum(a == b for a, b in zip(run["output_ids"], plain_ids)) / max(len(plain_ids), 1)}
         if name == EAGLE3:
-            figures = ve.acceptance(run["counters"])
-            if not figures.get("drafts"):
-                raise EaglekitError("vLLM ran the drafter but counted no drafts; its spec-decode counters are missing "
-                                    "(disable_log_stats must be off): see the offline log")
-            row.update(tau=figures["tau"], acceptance_per_position=figures["acceptance_per_position"],
-                       drafts=figures["drafts"], accepted_per_position=figures["accepted_per_position"])
+            row.update(_counted(run["counters"]))
         table.append(row)
+    return table + sampled_rows(engine, offline_runs, num_prompts)
+
+
+def _counted(counters: dict[str, Any]) -> dict[str, Any]:
+    """tau and acceptance from vLLM's counters of a run with the drafter (raises when it counted nothing)."""
+    figures = ve.acceptance(counters)
+    if not figures.get("drafts"):
+        raise EaglekitError("vLLM ran the drafter but counted no drafts; its spec-decode counters are missing "
+                            "(disable_log_stats must be off): see the offline log")
+    return {k: figures[k] for k in ("tau", "acceptance_per_position", "drafts", "accepted_per_position")}
+
+
+def sampled_rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], num_prompts: int) -> list[dict[str, Any]]:
+    """The rows at each temperature above 0: offline speed, vLLM's tau, and whether the drafter kept vLLM's own
+    output distribution (a warning when it did not: the tau such an engine counts is no acceptance of the target's
+    samples)."""
+    from eaglekit.interop.distribution import compare
+
+    table = []
+    plain_runs = {s["temperature"]: s for s in offline_runs[PLAIN].get("sampled", [])}
+    for found in offline_runs[EAGLE3].get("sampled", []):
+        temperature = found["temperature"]
+        for name, run in ((PLAIN, plain_runs[temperature]), (EAGLE3, found)):
+            speed = run["new_tokens"] / run["seconds"] if run["seconds"] else None
+            row: dict[str, Any] = {
+                "method": name, "temperature": temperature, "engine": "vllm", "engine_version": engine.version,
+                "new_tokens": run["new_tokens"], "tokens_per_second": speed,
+                "ms_per_token": 1000 / speed if speed else None,
+                "speed_from": f"offline, {num_prompts} prompts in one batch"}
+            if name == EAGLE3:
+                row.update(_counted(run["counters"]))
+                row["distribution"] = check = compare(plain_runs[temperature]["samples"], run["samples"])
+                if not check["matches_plain"]:
+                    log.warning("vLLM %s at T=%g: the output with the drafter does not follow vLLM's own output "
+                                "distribution (p = %.2g over %d samples x %d positions): this engine's speculative "
+                                "sampling is not lossless here", engine.version, temperature, check["p_value"],
+                                check["samples"][1], check["positions"])
+            table.append(row)
     return table
 
 
 def measure(engine: ve.Engine, target: str, drafter_dir: str, prompts: list[list[int]], output: Path, *,
-            max_new_tokens: int, speculative_tokens: int, levels: tuple[int, ...], startup_timeout: float = 600.0,
-            request_timeout: float = 600.0) -> list[dict[str, Any]]:
-    """Export, run offline and served, and return the vLLM rows (work files under `output/vllm/`)."""
+            max_new_tokens: int, speculative_tokens: int, levels: tuple[int, ...], temperatures: tuple[float, ...] = (),
+            samples: int = 400, startup_timeout: float = 600.0, request_timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Export, run offline (T=0 and `temperatures` above 0, `samples` draws each for the distribution check) and
+    served, and return the vLLM rows (work files under `output/vllm/`)."""
     if not Path(target).is_dir():
         raise EaglekitError("engine=vllm needs the target as a local model directory (vLLM loads "
                             f"it); {target} is not one")
     workdir = output / "vllm"
     drafter = export_for_vllm(drafter_dir, workdir / "drafter", speculative_tokens)
     log.info("vLLM %s (%s): offline runs", engine.version, engine.python)
-    offline_runs = offline(engine, target, drafter, prompts, max_new_tokens, speculative_tokens, workdir)
+    offline_runs = offline(engine, target, drafter, prompts, max_new_tokens, speculative_tokens, workdir,
+                           sample_specs(temperatures, samples, len(prompts), speculative_tokens))
     sweeps = served(engine, target, drafter, prompts, max_new_tokens, speculative_tokens, levels, workdir,
                     startup_timeout, request_timeout) if levels else {}
     return rows(engine, offline_runs, sweeps, len(prompts))

@@ -9,8 +9,12 @@ and `eaglekit.interop.vllm_engine` starts this file there as a subprocess. Job k
 - `generate`: for each entry of `job["runs"]` (`name`, `model`, `speculative_config` or null,
   `prompts` (lists of token ids), `max_new_tokens`, `engine_args`), build one offline `vllm.LLM`, generate
   greedily (T=0) from the token ids, and report each prompt's output ids, the wall time of the
-  `generate` call and vLLM's spec-decode counters from `LLM.get_metrics()`. A run that fails keeps
-  its error (the exception's own text) and the next run still goes.
+  `generate` call and vLLM's spec-decode counters from `LLM.get_metrics()`. Each entry of the run's
+  optional `sampled` (`temperature`, `samples_per_prompt`, `sample_tokens`) then runs on the same engine:
+  the prompts sampled at that temperature (wall time, new tokens, counters), and `samples_per_prompt`
+  unseeded samples of every prompt, `sample_tokens` tokens each with EOS ignored (`samples`: their ids, for
+  a test of the output distribution). A run that fails keeps its error (the exception's own text) and the
+  next run still goes.
 - `supports_eagle3`: for each architecture in `job["architectures"]`, the class vLLM's registry
   resolves (general plugins loaded first, as vLLM does) and `supports_eagle3(cls)` of vLLM's interfaces.
 
@@ -56,6 +60,21 @@ def error_text(error: BaseException) -> str:
     return " <- ".join(parts)
 
 
+def timed(llm, prompts: list, params) -> dict:
+    """One `generate` call: wall time, each prompt's output ids, new tokens, and the counters it moved."""
+    before = spec_counters(llm.get_metrics())
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = spec_counters(llm.get_metrics())
+    counters = {}
+    for key, value in after.items():
+        base = before.get(key, [0] * len(value) if isinstance(value, list) else 0)
+        counters[key] = [a - b for a, b in zip(value, base)] if isinstance(value, list) else value - base
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return {"seconds": seconds, "output_ids": tokens, "new_tokens": sum(len(t) for t in tokens), "counters": counters}
+
+
 def generate_one(run: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -65,28 +84,29 @@ def generate_one(run: dict) -> dict:
         args["speculative_config"] = run["speculative_config"]
     llm = LLM(model=run["model"], disable_log_stats=False, **args)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=run["max_new_tokens"], seed=0)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in run["prompts"]]
         if run.get("warmup", True):  # one short untimed request: first-call costs stay out of the timing
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-        before = spec_counters(llm.get_metrics())
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        after = spec_counters(llm.get_metrics())
+        result = {"name": run["name"],
+                  **timed(llm, prompts, SamplingParams(temperature=0.0, max_tokens=run["max_new_tokens"], seed=0))}
+        sampled = []
+        for spec in run.get("sampled") or []:
+            params = SamplingParams(temperature=spec["temperature"], max_tokens=run["max_new_tokens"], seed=0)
+            found = timed(llm, prompts, params)
+            del found["output_ids"]
+            copies = [p for p in prompts for _ in range(spec["samples_per_prompt"])]  # unseeded: each one a draw
+            params = SamplingParams(temperature=spec["temperature"], max_tokens=spec["sample_tokens"], ignore_eos=True)
+            found["samples"] = [list(o.outputs[0].token_ids) for o in llm.generate(copies, params, use_tqdm=False)]
+            sampled.append({"temperature": spec["temperature"], **found})
+        if sampled:
+            result["sampled"] = sampled
     finally:
         shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if shutdown is not None and hasattr(shutdown, "shutdown"):
             shutdown.shutdown()
         del llm
         gc.collect()
-    counters = {}
-    for key, value in after.items():
-        base = before.get(key, [0] * len(value) if isinstance(value, list) else 0)
-        counters[key] = [a - b for a, b in zip(value, base)] if isinstance(value, list) else value - base
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return {"name": run["name"], "seconds": seconds, "output_ids": tokens,
-            "new_tokens": sum(len(t) for t in tokens), "counters": counters}
+    return result
 
 
 def run_generate(job: dict) -> dict:

@@ -10,9 +10,10 @@ temperature in `temperatures=`. Before timing, the HF methods run the first `war
 untimed and eaglekit's methods every prompt (warmup=0: none); every timed prompt is run `repeats` times
 and the median is kept. Writes bench.json, bench.md and bench.png to `output`.
 
-`engine=vllm` adds the real vLLM's figures on the same prompt ids (rows `vllm_plain`, `vllm_eagle3`, T=0):
-tau and acceptance per position from vLLM's own spec-decode counters, and output tokens/s of `vllm serve`
-at each concurrency of `concurrency=` (eaglekit.interop.vllm_bench). vLLM runs in its own Python
+`engine=vllm` adds the real vLLM's figures on the same prompt ids (rows `vllm_plain`, `vllm_eagle3` at T=0 and
+at each temperature above 0): tau and acceptance per position from vLLM's own spec-decode counters, whether the
+drafter kept vLLM's own output (T=0: the same ids; T > 0: the same distribution), and output tokens/s of
+`vllm serve` at each concurrency of `concurrency=` (eaglekit.interop.vllm_bench). vLLM runs in its own Python
 (`vllm_python=`, default: this one when it imports vllm, else .venv-vllm/bin/python from `make vllm-env`).
 
     eaglekit bench tiny-eval.jsonl target=tiny drafter=runs/demo/train engine=vllm methods=chain chain_length=3
@@ -68,11 +69,13 @@ class Config:
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
     engine: str = option("eaglekit", "eaglekit: eaglekit's own methods only; vllm: also the real vLLM with and without "
-                         "the drafter (T=0, chain of chain_length drafts)", choices=("eaglekit", "vllm"))
+                         "the drafter (chain of chain_length drafts)", choices=("eaglekit", "vllm"))
     vllm_python: str = option("", "engine=vllm: a Python with vLLM (default: this one if it imports vllm, else "
                                   ".venv-vllm/bin/python)")
     concurrency: tuple[int, ...] = option((1, 4, 16),
                                           "engine=vllm: requests in flight for the served sweep (empty: offline only)")
+    vllm_samples: int = option(400, "engine=vllm, T > 0: samples of the prompts with and without the drafter whose "
+                                    "first tokens are compared (is vLLM's speculative sampling lossless?)")
     vllm_version_check: bool = option(True, "engine=vllm: refuse a vLLM other than the tested 0.32.0")
     vllm_startup_timeout: float = option(600.0, "engine=vllm: seconds to wait for `vllm serve` to answer /health")
 
@@ -184,10 +187,12 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    from eaglekit.report import bench_markdown, vllm_sweep_markdown
+    from eaglekit.report import bench_markdown, vllm_lossless_markdown, vllm_sweep_markdown
 
-    sweep = vllm_sweep_markdown(rows)
-    return "\n".join(bench_markdown(rows) + ([""] + sweep if sweep else [])) + "\n"
+    lines = bench_markdown(rows)
+    for part in (vllm_lossless_markdown(rows), vllm_sweep_markdown(rows)):
+        lines += ["", *part] if part else []
+    return "\n".join(lines) + "\n"
 
 
 def _check(config: Config) -> list[str]:
@@ -208,6 +213,9 @@ def _check(config: Config) -> list[str]:
         raise EaglekitError(f"concurrency={config.concurrency}: each level must be >= 1 request in flight")
     if config.repeats < 1:
         raise EaglekitError("repeats must be >= 1")
+    if config.engine == "vllm" and any(t > 0 for t in config.temperatures) and config.vllm_samples < 1:
+        raise EaglekitError("vllm_samples must be >= 1 to check vLLM's sampling at T > 0 (or leave out "
+                            "temperatures above 0)")
     return methods
 
 
@@ -248,7 +256,8 @@ def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -
     try:
         return measure(engine, resolve_target(config.target), config.drafter, prompts, output,
                        max_new_tokens=config.max_new_tokens, speculative_tokens=config.chain_length,
-                       levels=config.concurrency, startup_timeout=config.vllm_startup_timeout)
+                       levels=config.concurrency, temperatures=config.temperatures, samples=config.vllm_samples,
+                       startup_timeout=config.vllm_startup_timeout)
     except EaglekitError as error:
         log.error("bench: vLLM: %s", error)
         return [{"method": EAGLE3, "temperature": 0.0, "engine": "vllm", "error": str(error)}]
