@@ -75,7 +75,8 @@ def test_vllm_concurrency_sweep_is_in_the_table(benched):
 def test_vllm_sampling_is_checked_against_its_own_plain_sampling(benched):
     """At T=1 bench compares the first speculative step's tokens with and without the drafter. vLLM 0.32.0's CPU
     build fails that check (its speculative output at T > 0 over-represents the drafts, with ngram drafts too),
-    while eaglekit's own sampled chain, with the same drafter, prompts and sample counts, passes it."""
+    while eaglekit's own sampled chain, with the same drafter, prompts and sample counts, passes it; and vLLM's
+    plain samples follow eaglekit's plain ones (so it is vLLM's speculative path that moves)."""
     import torch
 
     from eaglekit.decode import Decoder
@@ -98,12 +99,16 @@ def test_vllm_sampling_is_checked_against_its_own_plain_sampling(benched):
     prompts = json.loads((output / "vllm" / "offline.job.json").read_text())["runs"][0]["prompts"]
     per_prompt = check["samples"][0] // len(prompts)
 
-    def draws(method: str, seed: int) -> list[list[int]]:  # EOS ignored, as vLLM's samples; independent seeds
-        return [decoder.generate(ids, 5, method=method, temperature=1.0, chain_length=3, seed=seed + i).tokens
-                for ids in prompts for i in range(per_prompt)]
+    def draws(method: str, first_seed: int) -> list[list[int]]:  # EOS ignored, as vLLM's; a seed of its own each
+        return [decoder.generate(ids, 5, method=method, temperature=1.0, chain_length=3,
+                                 seed=first_seed + k * per_prompt + i).tokens
+                for k, ids in enumerate(prompts) for i in range(per_prompt)]
 
-    own = compare(draws("plain", 0), draws("chain", 10**6))
+    plain = draws("plain", 0)
+    own = compare(plain, draws("chain", 10**6))
     assert own["matches_plain"] and own["positions"] == 5, own
+    offline = {r["name"]: r for r in json.loads((output / "vllm" / "offline.result.json").read_text())["runs"]}
+    assert compare(plain, offline["vllm_plain"]["sampled"][0]["samples"])["matches_plain"]
 
 
 def test_regen_openai_against_vllm_serve_equals_vllm_offline_greedy(benched, tmp_path):
