@@ -217,6 +217,27 @@ def test_a_mistyped_local_target_is_one_immediate_error(data, tmp_path, capsys, 
     assert_unchanged(before, tmp_path)
 
 
+def test_a_hub_target_is_handed_to_an_engine_as_its_cached_snapshot(tmp_path, monkeypatch):
+    """vLLM loads the target itself from a folder: a hub id becomes its snapshot in the Hugging Face cache (as
+    eaglekit's own loading left it), and one that is not cached is one error naming the download."""
+    import shutil
+
+    from eaglekit.target.loading import local_model_dir, tiny_target_path
+
+    repo = tmp_path / "hub" / "models--some-org--tiny"
+    shutil.copytree(tiny_target_path(), repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read once, when huggingface_hub loads
+    assert local_model_dir("some-org/tiny") == str(repo / "snapshots" / "abc123")
+    assert local_model_dir("tiny") == str(tiny_target_path())
+    with pytest.raises(EaglekitError, match=r"some-org/other is no local directory and not in the Hugging Face "
+                                            r"cache: download it first \(`hf download some-org/other`\)"):
+        local_model_dir("some-org/other")
+
+
 # ---- 5. filesystem errors ------------------------------------------------------------------------
 
 def test_an_output_path_that_is_a_file(chat_target, drafter_dir, data, tmp_path, capsys):

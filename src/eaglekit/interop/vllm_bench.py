@@ -202,7 +202,7 @@ def measure(engine: ve.Engine, target: str, drafter_dir: str, prompts: list[list
             samples: int = 400, startup_timeout: float = 600.0, request_timeout: float = 600.0) -> list[dict[str, Any]]:
     """Export, run offline (T=0 and `temperatures` above 0, `samples` draws each for the distribution check) and
     served, and return the vLLM rows (work files under `output/vllm/`)."""
-    if not Path(target).is_dir():
+    if not Path(target).is_dir():  # `target.loading.local_model_dir` gives a hub id's cached snapshot
         raise EaglekitError("engine=vllm needs the target as a local model directory (vLLM loads "
                             f"it); {target} is not one")
     workdir = output / "vllm"

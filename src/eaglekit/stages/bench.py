@@ -251,10 +251,10 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
 def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -> list[dict[str, Any]]:
     """The real vLLM's rows; a refusal or a dead server becomes one failed row (eaglekit's rows are kept)."""
     from eaglekit.interop.vllm_bench import EAGLE3, measure
-    from eaglekit.target.loading import resolve_target
+    from eaglekit.target.loading import local_model_dir
 
     try:
-        return measure(engine, resolve_target(config.target), config.drafter, prompts, output,
+        return measure(engine, local_model_dir(config.target), config.drafter, prompts, output,
                        max_new_tokens=config.max_new_tokens, speculative_tokens=config.chain_length,
                        levels=config.concurrency, temperatures=config.temperatures, samples=config.vllm_samples,
                        startup_timeout=config.vllm_startup_timeout)

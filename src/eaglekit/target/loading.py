@@ -91,6 +91,22 @@ def resolve_target(name_or_path: str) -> str:
     return name_or_path
 
 
+def local_model_dir(name_or_path: str) -> str:
+    """The target as a folder on this disk, for an engine that loads it itself: a directory as it is, a hub id as
+    its snapshot in the Hugging Face cache (what eaglekit's own loading left there; nothing is downloaded)."""
+    resolved = resolve_target(name_or_path)
+    if Path(resolved).is_dir():
+        return resolved
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(resolved, local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError):  # not cached, or no valid repo id
+        raise EaglekitError(f"target {name_or_path} is no local directory and not in the Hugging Face cache: "
+                            f"download it first (`hf download {name_or_path}`), or pass target= its directory") from None
+
+
 def _loadable(name_or_path: str) -> str:
     """`resolve_target`, and in offline mode a hub id must be in the cache: what the loaders below read from."""
     resolved = resolve_target(name_or_path)
