@@ -104,7 +104,8 @@ def local_model_dir(name_or_path: str) -> str:
         return snapshot_download(resolved, local_files_only=True)
     except (LocalEntryNotFoundError, ValueError):  # not cached, or no valid repo id
         raise EaglekitError(f"target {name_or_path} is no local directory and not in the Hugging Face cache: "
-                            f"download it first (`hf download {name_or_path}`), or pass target= its directory") from None
+                            f"download it first (`hf download {name_or_path}`), or pass target= its "
+                            "directory") from None
 
 
 def _loadable(name_or_path: str) -> str:
