@@ -315,6 +315,42 @@ def test_train_logs_progress_and_max_steps_wins_over_epochs(chat_target, data, t
     assert "'aux_layers' is now called 'aux_layer_ids'" in line
 
 
+def test_train_draws_a_progress_bar_on_a_terminal(chat_target, data, tmp_path):
+    """On a terminal (a pseudo-terminal here) train shows one tqdm bar with loss and acc@1 instead of log lines."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 40 x 160: tqdm sizes its bar
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "eaglekit", "train", f"target={chat_target}", f"data={data}",
+                             "output=t", "max_steps=6", "batch_size=4", "val_fraction=0.2", "log_every=2",
+                             "ttt_steps=1", "draft_vocab_size=64", "max_length=64"],
+                            cwd=tmp_path, env=env, stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    try:
+        while select.select([leader], [], [], 300)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        proc.wait(timeout=60)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, screen[-2000:]
+    assert "train: 100%" in screen and "6/6" in screen and "loss=" in screen and "acc@1=" in screen, screen[-2000:]
+    assert "\r" in screen.replace("\r\n", "")  # redrawn in place
+    assert "step 2/6 (epoch" not in screen  # the bar stands in for the log lines a file gets
+
+
 def test_train_without_assistant_tokens(chat_target, tmp_path, capsys):
     questions = write_jsonl(tmp_path / "q.jsonl", [{"id": f"q{i}", "messages": CHAT[:1]} for i in range(4)])
     line = in_process(capsys, "train", f"target={chat_target}", f"data={questions}", f"output={tmp_path / 't'}")
