@@ -336,9 +336,11 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
         speed.append(f"- step_profile {method}: {row['step_ms']:.2f} ms per step (tau {row['tau']:.2f}), "
                      f"{row['kernels_per_step']:.0f} kernels and {row['gpu_ms_per_step']:.2f} ms of GPU time per step uncaptured")
     for row in (summary.get("train_speed") or {}).get("results", []):
-        if "tokens_per_s" in row:
-            speed.append(f"- train_speed {row['kind']}/{row['mode']}/{row['attention']}: {row['tokens_per_s']:,.0f} tok/s, "
-                         f"MFU {row['mfu']:.1%}, peak {row['peak_memory_gb']} GB")
+        if "tokens_per_s" in row:  # MFU and peak memory are GPU figures: a CPU run has neither
+            mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") is not None else ""
+            peak = f", peak {row['peak_memory_gb']} GB" if row.get("peak_memory_gb") is not None else ""
+            speed.append(f"- train_speed {row['kind']}/{row['mode']}/{row['attention']}: {row['tokens_per_s']:,.0f} tok/s"
+                         f"{mfu}{peak}")
     regen = summary.get("regen_speed")
     if regen:
         speed.append(f"- regen_speed: regen {regen['regen_tokens_per_second']} vs generate {regen['plain_generate_tokens_per_second']} tok/s")

@@ -1,0 +1,32 @@
+"""The GPU reference benchmark's runner (benchmarks/run_all.py) at toy sizes on the CPU: every part that
+`benchmarks/run_reference.sh` runs finishes, and the summary gathers their figures, so a clean checkout on a GPU
+host runs the same flow through."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# run_all's default parts (the speed ones: decode, train, regen and extract speed) and those run_reference.sh adds
+PARTS = "target,pipeline,bench,speed,step_cost,variant,extract_speed_reference,profile,summary"
+
+
+def test_the_reference_runner_runs_its_parts_and_summarises_them(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "results"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--parts", PARTS,
+                           "--work", str(work), "--out", str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0 and "FAILED parts" not in log, log[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for part in ("reference_target", "run", "variant", "step_cost_8b", "step_profile", "train_speed", "regen_speed",
+                 "decode_speed_reference"):
+        assert summary[part], part
+    text = (out / "summary.md").read_text()
+    for method in ("plain", "chain", "tree"):
+        assert f"| {method} | 0 |" in text, method
+    assert "## Speed and peers" in text and "- step_cost (" in text and "- variant " in text
+    assert "- train_speed offline/eager/sdpa: " in text  # a CPU run: tokens/s, no MFU
