@@ -308,8 +308,11 @@ def test_fused_loop_launches_no_step_past_the_length_budget(monkeypatch):
         result = decoder.generate(PROMPT, new, method="chain", chain_length=3)
         assert result.tokens == [0] * new and result.finish_reason == "length", new
         assert len(launches) == len(result.stats.accepted), (new, len(launches), result.stats.accepted)
+        assert result.stats.discarded_steps == 0, new
+    launches.clear()
     result = decoder.generate(PROMPT, 14, method="chain", chain_length=3, eos_token_ids=(0,))
     assert (result.tokens, result.finish_reason, result.stats.accepted) == ([0], "eos", [])
+    assert result.stats.discarded_steps == len(launches) > 0
 
 
 class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):

@@ -45,6 +45,7 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     target_forwards: int = 0
+    discarded_steps: int = 0  # fused loop: steps launched ahead whose tokens came after the end (their time counts)
 
     @property
     def tau(self) -> float:
@@ -59,7 +60,8 @@ class DecodeStats:
     def to_dict(self) -> dict:
         return {"tau": self.tau, "steps": len(self.accepted), "target_forwards": self.target_forwards,
                 "acceptance_per_position": self.acceptance_per_position(),
-                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
+                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                "discarded_steps": self.discarded_steps}
 
 
 @dataclass

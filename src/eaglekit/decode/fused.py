@@ -184,6 +184,7 @@ class FusedStep:
         for _, event in queued:  # the step queued after the last one: its time counts, its tokens do not
             if event is not None:
                 event.synchronize()
+        stats.discarded_steps = len(queued)
         self.target.length = self.drafter.stable_length = confirmed
 
     def _launch(self, slot: int, generator: torch.Generator | None):

@@ -133,7 +133,7 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
     # of each prompt length pays one-time costs that must not land on whichever method runs first
     for ids in prompts if config.warmup and not method.startswith("hf") else prompts[: config.warmup]:
         runner(method, ids, temperature)
-    tokens, seconds, accepted, prefill, forwards = 0, 0.0, [], 0.0, 0
+    tokens, seconds, accepted, prefill, forwards, discarded = 0, 0.0, [], 0.0, 0, 0
     for ids in tqdm(prompts, desc=f"{method} T={temperature}", leave=False, disable=None):  # no bar off a terminal
         runs = [runner(method, ids, temperature) for _ in range(config.repeats)]
         tokens += runs[0][0]
@@ -143,6 +143,7 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
             accepted.extend(stats.accepted)
             prefill += statistics.median(r[2].prefill_seconds for r in runs)
             forwards += stats.target_forwards
+            discarded += stats.discarded_steps
     depth = config.chain_length if method == "chain" else config.depth
     row: dict[str, Any] = {"method": method, "temperature": temperature, "new_tokens": tokens, "seconds": seconds,
                            "tokens_per_second": tokens / seconds if seconds else None,
@@ -152,6 +153,7 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
         row.update(prefill_seconds=prefill, target_forwards=forwards,
                    decode_tokens_per_second=tokens / decode if decode > 0 else None)
     if method in ("chain", "tree"):
+        row["discarded_steps"] = discarded  # run a step ahead past a generation's end (fused loop): time, no tokens
         steps = max(len(accepted), 1)
         row["tau"] = sum(a + 1 for a in accepted) / steps
         row["acceptance_per_position"] = [sum(a > i for a in accepted) / steps for i in range(depth)]
