@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     from eaglekit.interop.distribution import compare
     from eaglekit.manifest import environment
 
-    result = {"benchmark": "vllm_cpu_temperature", "environment": environment(), "job": args.job, "temperature": args.temperature,
-              "samples_per_prompt": per_prompt, "tokens": tokens, "variants": {}}
+    result = {"benchmark": "vllm_cpu_temperature", "environment": environment(), "job": args.job,
+              "temperature": args.temperature, "samples_per_prompt": per_prompt, "tokens": tokens, "variants": {}}
     for variant in VARIANTS:
         part = Path(f"{args.output}.{variant}.tmp")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
