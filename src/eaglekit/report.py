@@ -196,6 +196,15 @@ def vllm_lossless_markdown(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def vllm_checks_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """What bench.md and the report add after the rows for vLLM: the lossless lines, then the served sweep, each
+    behind a blank line (nothing when the bench ran no vLLM)."""
+    lines: list[str] = []
+    for part in (vllm_lossless_markdown(rows), vllm_sweep_markdown(rows)):
+        lines += ["", *part] if part else []
+    return lines
+
+
 def headline(info: dict[str, Any]) -> dict[str, Any]:
     """tau and speed-up of the fastest EAGLE-3 method at the lowest temperature measured, and the val accuracy."""
     result: dict[str, Any] = {}
@@ -397,9 +406,7 @@ def _section_served_by_vllm(info: dict[str, Any]) -> list[str]:
                  "acceptance per position "
                  + " ".join(f"{x:.3f}" for x in eagle.get("acceptance_per_position", [])) + " (vLLM's own counters)"
                  + (f"; eaglekit's chain: tau {_fmt(chain.get('tau'), '.3f')}." if chain and "tau" in chain else "."))
-    lossless = vllm_lossless_markdown(rows)
-    sweep = vllm_sweep_markdown(rows)
-    return lines + (["", *lossless] if lossless else []) + (["", *sweep] if sweep else [])
+    return lines + vllm_checks_markdown(rows)
 
 
 def _served_target(info: dict[str, Any]) -> str:

@@ -189,12 +189,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    from eaglekit.report import bench_markdown, vllm_lossless_markdown, vllm_sweep_markdown
+    from eaglekit.report import bench_markdown, vllm_checks_markdown
 
-    lines = bench_markdown(rows)
-    for part in (vllm_lossless_markdown(rows), vllm_sweep_markdown(rows)):
-        lines += ["", *part] if part else []
-    return "\n".join(lines) + "\n"
+    return "\n".join(bench_markdown(rows) + vllm_checks_markdown(rows)) + "\n"
 
 
 def _check(config: Config) -> list[str]:

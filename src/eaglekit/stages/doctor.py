@@ -35,7 +35,8 @@ class Config:
     engine_source: str = option("",
                                 "engine source: installed package dir, source checkout or .whl (default: installed)")
     plugins: tuple[str, ...] = option((), "vLLM plugin project directories to honour (installed plugins are read too)")
-    installed_plugins: bool = option(True, "also read vllm.general_plugins entry points installed in this environment")
+    installed_plugins: bool = option(True, "also read installed vllm.general_plugins entry points (those beside the "
+                                           "vLLM read, else this environment's)")
     fix: bool = option(False, "vLLM: write an out-of-tree plugin that adds EAGLE-3 delegation to a wrapper class")
     fix_output: str = option("eaglekit-plugins", "directory the --fix plugin package is written under")
     overwrite: bool = option(False, "--fix: write the plugin's project folder even where something other than an "
