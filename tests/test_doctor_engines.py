@@ -313,12 +313,15 @@ def test_fix_on_supported_or_unfixable_targets(tmp_path, capsys):
 
 
 def test_entry_points_read_without_tomllib(tmp_path, monkeypatch):
-    """Python 3.10 has no tomllib: the plugin's entry points are still read."""
+    """Python 3.10 has no tomllib: tomli reads the entry points, TOML the whole way (a quoted key holding '=', a
+    comment after a value, a value holding '#', a table header with spaces)."""
     import builtins
 
     plugin = write_vllm_plugin(vllm(target_config(tmp_path, "ToyVLForConditionalGeneration")), tmp_path / "plugins")
     text = (plugin / "pyproject.toml").read_text()
     expected = plugin_entry_points(text)
+    tricky = ('[project]\nname = "p"\n[ project.entry-points . "vllm.general_plugins" ]\n'
+              '"a=b" = "a.b:register"\nplain = "x#y:f"  # a comment\n')
     real_import = builtins.__import__
 
     def no_tomllib(name, *args, **kwargs):
@@ -329,3 +332,4 @@ def test_entry_points_read_without_tomllib(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tomllib)
     assert plugin_entry_points(text) == expected == {
         "eaglekit_eagle3_toyvlforconditionalgeneration": "eaglekit_eagle3_toyvlforconditionalgeneration:register"}
+    assert plugin_entry_points(tricky) == {"a=b": "a.b:register", "plain": "x#y:f"}

@@ -24,6 +24,18 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 83.0
 vllm:num_requests_running{engine="0",model_name="m"} 0.0
 """
+# What prometheus_client itself writes: a counter's `_created` timestamp beside its `_total`; label values holding
+# '}', ',', an escaped quote; a timestamp after the value.
+METRICS_EXPOSITION = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m}, \\"q\\""} 10.0 1700000000000
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m}, \\"q\\""} 1.7e+09
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a,b}",position="1"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{model_name="a,b}",position="1"} 1.7e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a,b}",position="0"} 9.0
+"""
 
 
 def fake_python(tmp_path: Path, body: str) -> str:
@@ -45,6 +57,12 @@ def test_prometheus_counters_give_tau_and_acceptance_per_position():
     delta = ve.counter_delta(counters, before)
     assert delta["spec_decode_num_drafts"] == 84 and delta["spec_decode_num_accepted_tokens_per_pos"] == [88, 71, 53]
     assert ve.acceptance({}) == {"drafts": 0}
+
+
+def test_prometheus_text_as_the_format_defines_it():
+    """Label values with '}' and quotes, `_created` samples and timestamps: every counter read, summed over engines."""
+    counters = ve.parse_prometheus(METRICS_EXPOSITION)
+    assert counters == {"spec_decode_num_drafts": 15.0, "spec_decode_num_accepted_tokens_per_pos": [9.0, 4.0]}
 
 
 def test_missing_vllm_names_make_vllm_env(tmp_path, monkeypatch):
@@ -99,6 +117,18 @@ def test_started_processes_are_stopped_with_their_children(tmp_path):
     assert process.poll() is not None
     assert not alive(child)
     assert ve.processes_of(tmp_path) == []
+
+
+def test_processes_of_a_folder_are_those_whose_log_lies_inside_it(tmp_path):
+    """A folder whose name extends another's (runs/a-2 beside runs/a) holds none of the other's processes."""
+    with ve.started(["sleep", "300"], tmp_path / "a-2" / "log.txt") as process:
+        deadline = time.monotonic() + 10
+        while process.pid not in ve.processes_of(tmp_path / "a-2"):
+            assert time.monotonic() < deadline, "the started process was not found by its folder"
+            time.sleep(0.05)
+        assert process.pid in ve.processes_of(tmp_path) and ve.processes_of(tmp_path / "a") == []
+        assert ve._group_members(process.pid) == [process.pid]
+    assert ve._group_members(process.pid) == [] and ve.processes_of(tmp_path) == []
 
 
 def alive(pid: int) -> bool:

