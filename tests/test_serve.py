@@ -19,6 +19,7 @@ import pytest
 from eaglekit.stages import serve
 from eaglekit.target.backends import EngineOutput, HFBackend, SamplingParams
 from eaglekit.target.server import ChatServer, parse_chat_request, RequestError
+from eaglekit.target.server_text import TextStream
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus two"}]
 
@@ -160,8 +161,11 @@ class GatedEngine:
     def encode_chat(self, messages):
         return [len(m["content"]) for m in messages]
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
+
+    def text_stream(self):
+        return TextStream(self)
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, seed=None, on_tokens=None):
         self.calls.append(("one", 1))
@@ -233,7 +237,7 @@ class EndlessEngine(GatedEngine):
             time.sleep(0.005)
         return EngineOutput([65] * 2000, "length")
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=True):
         return "".join(map(chr, ids))
 
 

@@ -1,6 +1,6 @@
 """The speculative generation engine behind `eaglekit serve drafter=DIR`.
 
-Implements the engine interface of `eaglekit.target.server` (encode_chat, decode, generate,
+Implements the engine interface of `eaglekit.target.server` (encode_chat, decode, text_stream, generate,
 generate_many, metrics): tokenisation is the HF backend's, generation is `eaglekit.decode.Decoder`
 (batch 1; a batch of queued requests is decoded one after another). `metrics()` reports cumulative
 acceptance: tau and acceptance per draft position, shown under "engine" on `/metrics`; each
@@ -46,6 +46,9 @@ class SpeculativeEngine:
 
     def decode(self, ids: list[int]) -> str:
         return self.base.decode(ids)
+
+    def text_stream(self) -> Any:
+        return self.base.text_stream()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> EngineOutput:

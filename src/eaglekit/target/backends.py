@@ -153,6 +153,12 @@ class HFBackend:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def text_stream(self) -> Any:
+        """A `TextStream` (eaglekit.target.server_text): one generation's text as its tokens arrive."""
+        from eaglekit.target.server_text import TextStream
+
+        return TextStream(self.tokenizer, self._tokenizer_lock)
+
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
                      on_tokens: Callable[[list[int]], None] | None = None) -> list[EngineOutput]:
         """Batched generation from token ids; each output is cut at its first eos."""

@@ -13,7 +13,8 @@ non-streaming requests with equal sampling settings are generated as one batch. 
 its generation at the next token. It is meant for local use (127.0.0.1 by default); put a real proxy in front of it
 before exposing it.
 
-Engine interface (`GenerationEngine`): `encode_chat(messages) -> list[int]`, `decode(ids) -> str`,
+Engine interface (`GenerationEngine`): `encode_chat(messages) -> list[int]`, `decode(ids) -> str`, `text_stream()
+-> TextStream` (a streamed answer's text as its tokens arrive, each token decoded once: `eaglekit.target.server_text`),
 `max_context: int | None`, `generate(prompt_ids, max_new_tokens, temperature, top_p, seed, on_tokens=None) ->
 EngineOutput` (`on_tokens(new_ids)` is called as tokens are produced; it may raise `GenerationCancelled`),
 `metrics() -> dict` (cumulative stats shown under `/metrics` "engine"), and optionally
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 from eaglekit.errors import EaglekitError
 from eaglekit.target.backends import EngineOutput, GenerationCancelled
 from eaglekit.target.server_jobs import ChatRequest, Job, JobQueue, Metrics, RequestError
+from eaglekit.target.server_text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class GenerationEngine(Protocol):
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def text_stream(self) -> TextStream: ...
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
                  seed: int | None, on_tokens: Any = None) -> EngineOutput: ...
     def metrics(self) -> dict[str, Any]: ...

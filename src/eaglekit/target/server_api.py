@@ -149,8 +149,7 @@ async def stream(server: Any, job: Job) -> AsyncIterator[bytes]:
     """The SSE chunks of one streamed completion; leaving early (the client went away) cancels the job."""
     base = {"id": _completion_id(), "object": "chat.completion.chunk", "created": int(time.time()),
             "model": server.model_name}
-    ids: list[int] = []
-    sent, finished = "", False
+    text, finished = server.engine.text_stream(), False
     try:
         yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
@@ -160,11 +159,7 @@ async def stream(server: Any, job: Job) -> AsyncIterator[bytes]:
                 yield _sse({"error": _error_body(500, value, "generation_failed")["error"]})
                 break
             final = kind == "done"
-            ids = value.ids if final else ids + value
-            text = server.engine.decode(ids)
-            if not final and text.endswith("\ufffd"):
-                continue  # an incomplete multi-byte character: wait for the next token
-            delta, sent = (text[len(sent):], text) if text.startswith(sent) else ("", sent)
+            delta = text.finish(value.ids) if final else text.step(value)
             if delta:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"content": delta}, "finish_reason": None}]})
             if final:
