@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -27,16 +28,37 @@ log = logging.getLogger(__name__)
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success it replaces `path`, on error it is removed."""
+    """Yield a temporary sibling path (`.<name>.<pid>.tmp`: hidden, and found by `.<name>*.tmp`); on success it
+    replaces `path`, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory to fill; on success it takes the place of `path` (an older `path` is
+    moved aside first, then removed), on error it is removed. A reader never sees a half-filled `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier process of this id that was killed
+    tmp.mkdir()
+    try:
+        yield tmp
+        aside = path.with_name(f".{path.name}.old{os.getpid()}")
+        if path.exists():
+            path.rename(aside)
+        os.replace(tmp, path)
+        shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -46,6 +68,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def data_hash(data: Any) -> str:
+    """A stable 16-hex-digit hash of JSON-like data (keys sorted; other objects by str()): configs, run keys."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 
 from eaglekit.config import to_dict
 from eaglekit.errors import EaglekitError
-from eaglekit.manifest import atomic_write_json, file_sha256
+from eaglekit.manifest import atomic_write_json, data_hash, file_sha256
 
 log = logging.getLogger("eaglekit.run")
 
@@ -90,8 +90,7 @@ def fingerprint(paths: Iterable[str | Path]) -> str:
 
 
 def step_key(config: Any, previous: str | list[str], inputs: str = "") -> str:
-    data = json.dumps({"config": to_dict(config), "previous": previous, "inputs": inputs}, sort_keys=True, default=str)
-    return hashlib.sha256(data.encode()).hexdigest()[:16]
+    return data_hash({"config": to_dict(config), "previous": previous, "inputs": inputs})
 
 
 def _read_marker(path: Path) -> dict[str, Any]:

@@ -8,7 +8,6 @@ resume would trust half-written.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from eaglekit.errors import EaglekitError
-from eaglekit.manifest import atomic_write_json
+from eaglekit.manifest import atomic_directory, atomic_write_json
 
 LATEST = "latest.json"
 
@@ -49,20 +48,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(directory: Path, step: int, drafter_state: dict[str, torch.Tensor], save_drafter: Any,
                     trainer_state: dict[str, Any], keep: int) -> Path:
     """Write checkpoint `step` (drafter via `save_drafter(dir)`, trainer state via torch.save) atomically."""
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step:08d}"
-    tmp = directory / f".tmp-step-{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with atomic_directory(final) as tmp:  # a full disk, Ctrl-C: no half-written checkpoint is left behind
         save_drafter(tmp)
         torch.save(trainer_state, tmp / "trainer.pt")
-    except BaseException:  # a full disk, Ctrl-C: no half-written checkpoint is left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
     atomic_write_json(directory / LATEST, {"step": step, "path": final.name})
     old = sorted(p for p in directory.glob("step-*") if p.is_dir() and p != final)
     for stale in old[: max(0, len(old) - (keep - 1))]:

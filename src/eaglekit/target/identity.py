@@ -8,9 +8,9 @@ tokens and chat template (not its class or file layout).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
+
+from eaglekit.manifest import data_hash
 
 # Config keys that say how a checkpoint was saved or loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = frozenset({
@@ -18,10 +18,6 @@ _VOLATILE_CONFIG_KEYS = frozenset({
     "_attn_implementation_autoset", "attn_implementation", "use_cache", "output_hidden_states", "output_attentions",
     "return_dict", "_commit_hash", "_experts_implementation",
 })
-
-
-def _digest(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _strip(value: Any) -> Any:
@@ -35,7 +31,7 @@ def _strip(value: Any) -> Any:
 def target_config_hash(config: Any) -> str:
     """Hash of an HF config (object or dict) over the fields that define the computation."""
     data = config if isinstance(config, dict) else config.to_dict()
-    return _digest(_strip(data))
+    return data_hash(_strip(data))
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
@@ -49,4 +45,5 @@ def tokenizer_hash(tokenizer: Any) -> str:
         "unk": getattr(tokenizer, "unk_token", None),
         "added": sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", [])),
     }
-    return _digest({"vocab": sorted(vocab.items(), key=lambda item: item[1]), "special": special, "template": template})
+    ordered = sorted(vocab.items(), key=lambda item: item[1])
+    return data_hash({"vocab": ordered, "special": special, "template": template})

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from eaglekit.errors import EaglekitError
+from eaglekit.manifest import atomic_path
 from eaglekit.target.store import StoreLayout, fsync_append, log_name, shard_name, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -95,18 +96,13 @@ def write_bytes_atomically(directory: Path, name: str, tensors: dict[str, torch.
     """Write a shard under a temp name, fsync, rename into place; returns (bytes, sha256). On any error
     the temp file is removed and nothing named `name` is created. Without fsync a process crash is still
     safe (rename is atomic); a power loss may leave a logged shard whose checksum then fails on read."""
-    final, tmp = directory / name, directory / f".{name}.tmp"
-    try:
+    with atomic_path(directory / name) as tmp:
         with ThreadPoolExecutor(1, thread_name_prefix="eaglekit-shard-hash") as helper, open(tmp, "wb") as raw:
             hashing = _HashingFile(raw, helper)
             size = write_safetensors(hashing, tensors, metadata)
             raw.flush()
             if fsync:
                 os.fsync(raw.fileno())
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return size, hashing.digest.hexdigest()
 
 
