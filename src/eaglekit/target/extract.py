@@ -76,9 +76,10 @@ def resolve_aux_ids(aux_layer_ids: tuple[int, ...], convention: str, num_layers:
     if not aux_layer_ids:  # three distinct layers (refused under 3 layers)
         return default_aux_layers(num_layers)
     ids = to_input_convention(tuple(aux_layer_ids), convention)
-    if len(ids) != 3 or not all(0 <= i <= num_layers for i in ids):
-        raise EaglekitError(f"aux_layer_ids={list(aux_layer_ids)} ({convention}) must be 3 ids within the target's "
-                            f"{num_layers} layers (input_of_layer 0..{num_layers}); omit them for the default")
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i <= num_layers for i in ids):
+        raise EaglekitError(f"aux_layer_ids={list(aux_layer_ids)} ({convention}) must be distinct ids within the "
+                            f"target's {num_layers} layers (input_of_layer 0..{num_layers}): 3 for an EAGLE-3 "
+                            "drafter, a DFlash drafter's target_layer_ids + 1; omit them for the EAGLE-3 default")
     return ids
 
 
@@ -206,13 +207,19 @@ def layout_and_identity(target_config: Any, tokenizer: Any, aux_ids: tuple[int, 
 def batch_states(capture: HiddenStateCapture, index: torch.Tensor, layout: StoreLayout) -> dict[str, torch.Tensor]:
     """Captured (B, T, .) states -> padding-stripped (N, .) rows in the storage dtype, all on the device of
     the first aux state (one device even when device_map spreads the layers)."""
-    from eaglekit.target.store import quantize_rows
-
     aux = capture.aux()  # (B, T, 3H)
     final = capture.final().to(aux.device)  # (B, T, H)
     index = index.to(aux.device, non_blocking=True)
     aux = aux.reshape(-1, aux.shape[-1]).index_select(0, index)  # (N, 3H)
     final = final.reshape(-1, final.shape[-1]).index_select(0, index)  # (N, H)
+    return storage_rows(aux, final, layout)
+
+
+def storage_rows(aux: torch.Tensor, final: torch.Tensor, layout: StoreLayout) -> dict[str, torch.Tensor]:
+    """(N, 3H) aux and (N, H) final rows -> the store's tensors in its dtype (float8: with per-row scales); every
+    backend hands its rows to the shard writer through this."""
+    from eaglekit.target.store import quantize_rows
+
     if layout.quantized:
         aux_q, aux_scale = quantize_rows(aux, layout.num_aux)
         final_q, final_scale = quantize_rows(final, 1)
@@ -287,18 +294,31 @@ def write_store_manifest(out: Path, model: torch.nn.Module, decoder_path: str, l
                          identity: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """The store's manifest (written last) from the merged shard logs; `extra` adds the run's own fields
     (target, data, stats, verification, world_size)."""
+    return write_manifest_for(out, model.config, type(model).__name__, decoder_path, layout, identity, extra)
+
+
+def write_manifest_for(out: Path, config: Any, target_class: str, decoder_path: str, layout: StoreLayout,
+                       identity: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`write_store_manifest` from the target's config (an HF config, or its config.json as a dict) and class name:
+    what a backend that never loads the model in this process (vLLM) knows."""
+    from types import SimpleNamespace
+
     from eaglekit.target.capture import text_config
     from eaglekit.target.store import merge_shard_logs
 
     shards = merge_shard_logs(out)
-    text = text_config(model.config)
-    architecture = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    if isinstance(config, dict):
+        text = SimpleNamespace(**(config.get("text_config") or config))
+        architecture = (config.get("architectures") or [target_class])[0]
+    else:
+        text = text_config(config)
+        architecture = (getattr(config, "architectures", None) or [target_class])[0]
     shapes = {"input_ids": ["T"], "loss_mask": ["T"], "aux": ["T", layout.num_aux * layout.hidden_size],
               "final": ["T", layout.hidden_size]}
     storage = {"scale": "per token and layer (float32)" if layout.quantized else None,
                "bytes_per_token": layout.bytes_per_token}
     data = {**identity, "target": extra.get("target"), "target_architecture": architecture,
-            "target_class": type(model).__name__, "decoder_path": decoder_path, "hidden_size": layout.hidden_size,
+            "target_class": target_class, "decoder_path": decoder_path, "hidden_size": layout.hidden_size,
             "vocab_size": text.vocab_size, "num_layers": getattr(text, "num_hidden_layers", None),
             "storage": storage, "shapes": shapes, "num_records": sum(len(e["records"]) for e in shards),
             "num_tokens": sum(e["num_tokens"] for e in shards), "bytes": sum(e["bytes"] for e in shards),
