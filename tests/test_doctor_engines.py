@@ -73,7 +73,7 @@ def test_vllm_wrapper_that_does_not_delegate_then_plugin_fixes_it(tmp_path):
     for path in plugin.rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
     model_source = (plugin / "eaglekit_eagle3_toyvlforconditionalgeneration" / "model.py").read_text()
-    assert "from vllm.model_executor.models.toy_vl import ToyVLForConditionalGeneration as _Wrapper" in model_source
+    assert "from vllm.model_executor.models.toy_vl import ToyVLForConditionalGeneration as _Target" in model_source
 
     fixed = vllm(config, plugins=(str(tmp_path / "plugins"),))
     assert fixed["verdict"] == "supported", format_report(fixed)

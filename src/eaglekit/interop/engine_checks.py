@@ -12,6 +12,7 @@ from eaglekit.interop.engine_facts import (
     NOT_SUPPORTED, SUPPORTED, UNKNOWN, VLLM_ALLOW_LIST_MODULES, VLLM_INTERFACES, Target, class_of_value, in_mro,
     method_facts, decoder_facts, default_layers, forward_passthrough, lookup, sglang_registry, vllm_registry,
 )
+from eaglekit.interop.engine_serving import check_embedding, embedding_lookup
 from eaglekit.interop.engine_source import EngineSource
 from eaglekit.interop.pysource import ClassInfo, ModuleIndex
 
@@ -131,6 +132,9 @@ def check_vllm(index: ModuleIndex, source: EngineSource, target: Target,
     if layers is None and getter and inner is not None:  # a delegating wrapper: the inner model's getter decides
         layers = default_layers(index, inner, getter, target.num_layers)
     report["default_aux_layers"] = layers
+    proposer = embedding_lookup(source)  # what the EAGLE proposer reads of the target when it loads a drafter
+    report["serving"] = ({"embedding": check_embedding(index, inner or cls, proposer, target, source)} if proposer
+                         else None)
     _vllm_verdict(report, cls, inner)
     return report
 
@@ -152,6 +156,7 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
                    "aux_hidden_states) as vLLM's LlamaModel does: a model change that no plugin can make")
     if interface["implements"]:
         reasons.insert(0, f"{cls.name} implements {interface['interface']} ({methods})")
+        _embedding_verdict(report, wrapper_fixable=False)
     elif wrapper:
         inner_ok = bool(wrapper["inner_interface"] and wrapper["inner_interface"]["implements"])
         inner_name = wrapper["inner"]["class"] if wrapper["inner"] else "the inner language model"
@@ -163,6 +168,7 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
                       f"{methods} delegating to self.language_model")
         if inner_ok and collects:
             report["plugin_fix_possible"] = True
+            _embedding_verdict(report, wrapper_fixable=True)
             fix.append("or run `eaglekit doctor --engine vllm --fix` to write an out-of-tree plugin that does this "
                        "delegation")
         if wrapper["inner"] is None:
@@ -172,10 +178,14 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
                           f"(in MRO: {interface['in_mro']}; methods: "
                           + ", ".join(f"{k} {v['status']}" for k, v in interface["methods"].items()) + ")")
         fix.insert(0, f"in {cls.relative}, add {interface['interface']} to {cls.name}'s bases and implement {methods}")
+    embedding = (report.get("serving") or {}).get("embedding") or {}
     if fix:
         report["verdict"] = NOT_SUPPORTED
-    elif collects is None or (allow and allow["passes"] is None):
+    elif collects is None or (allow and allow["passes"] is None) or embedding.get("status") == "unknown":
         report["verdict"] = UNKNOWN
+        if embedding.get("status") == "unknown":
+            reasons.append(f"could not tell whether vLLM's EAGLE proposer ({embedding['proposer']}) finds the "
+                           f"target's embedding: {embedding['why']}")
         if allow and allow["passes"] is None:
             reasons.append(f"{allow['file']}:{allow['line']} limits EAGLE-3 to model types {allow['model_types']}; "
                            "pass the target's config.json so its model_type can be checked")
@@ -185,6 +195,30 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
     else:
         report["verdict"] = SUPPORTED
         reasons.append(f"decoder {decoder['class']} collects aux states in forward ({', '.join(decoder['evidence'])})")
+
+
+def _embedding_verdict(report: dict[str, Any], wrapper_fixable: bool) -> None:
+    """The proposer's embedding lookup (engine_serving): a class with the interface can still fail to serve."""
+    embedding = (report.get("serving") or {}).get("embedding") or {}
+    if embedding.get("status") != "missing":
+        return
+    names = " or ".join(embedding["names"])
+    where = f"{embedding['language_model']}.{embedding['holder']}.{' or .'.join(embedding['names'])}"
+    report["reasons"].append(
+        f"vLLM's EAGLE proposer ({embedding['proposer']}) looks the target's embedding up as {where} before it "
+        f"looks at the drafter, and refuses to load any drafter otherwise (\"Target model does not have ...\"): "
+        f"{embedding['why']}; a drafter that carries its own embedding does not avoid this")
+    attribute, target = embedding["embedding_attribute"], report["target"]
+    if not attribute:
+        report["fix"].append(f"give the decoder's embedding one of the names {names}: a model change")
+        return
+    fixable = wrapper_fixable or not report["fix"]
+    argument = target["source"] if target["source"] != "architecture name" else target["architecture"]
+    report["fix"].append(f"run `eaglekit doctor --engine vllm --target {argument} --fix`: it writes a plugin that "
+                         f"registers {target['architecture']} as a subclass of {report['class']['class']} exposing "
+                         f"self.{embedding['holder']}.{attribute} as {embedding['names'][0]} too"
+                         + ("" if fixable else " (once the other fixes are made)"))
+    report["plugin_fix_possible"] = report["plugin_fix_possible"] or fixable
 
 
 # --- SGLang ---------------------------------------------------------------------------------

@@ -110,6 +110,11 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{layers.get('input_of_layer_ids') or '(needs the layer count: pass config.json)'}"
                      + (f", engine explicit ids {layers['engine_explicit_ids']}" if layers.get("engine_explicit_ids")
                         else ""))
+    embedding = (report.get("serving") or {}).get("embedding")
+    if embedding:
+        found = {"ok": f"found ({embedding['provided_by']})", "missing": "MISSING", "unknown": "unknown"}
+        lines.append(f"drafter loading: {embedding['proposer']} needs {embedding['language_model']}."
+                     f"{embedding['holder']}.{' or .'.join(embedding['names'])}: {found[embedding['status']]}")
     if "explicit_aux_ids_read_by" in report:
         readers = report["explicit_aux_ids_read_by"]
         lines.append(f"drafter's explicit aux ids read by: {', '.join(readers)}" if readers else

@@ -113,7 +113,7 @@ def wheel_version(filename: str) -> str | None:
         return None
 
 
-def _installed_root(package: str) -> Path | None:
+def installed_root(package: str) -> Path | None:
     """The directory holding an installed `package`, found without importing it."""
     try:
         spec = importlib.util.find_spec(package)
@@ -145,7 +145,7 @@ def open_source(engine: str, location: str = "") -> EngineSource:
     hint = (f"pass engine_source=PATH: the installed {package} package directory, a source checkout, or a wheel "
             f"(pip download {package} --no-deps -d wheels/)")
     if not location:
-        root = _installed_root(package) or _engine_venv_root(engine)
+        root = installed_root(package) or _engine_venv_root(engine)
         if root is None:
             venv = " (nor in .venv-vllm: `make vllm-env` builds it)" if engine == "vllm" else ""
             raise EaglekitError(f"{package} is not installed in this environment{venv}; {hint}")

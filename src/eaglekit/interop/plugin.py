@@ -6,6 +6,10 @@ plugin registers, for that architecture, a subclass of the wrapper that adds `Su
 delegates both interface methods to `self.language_model`, through vLLM's `vllm.general_plugins`
 entry point and `ModelRegistry.register_model`. Nothing in site-packages is edited.
 
+When the target's decoder names its embedding otherwise than vLLM's EAGLE proposer looks it up (GPT-NeoX's
+`embed_in` under the Transformers backend: see `engine_serving`), the plugin's subclass also makes the same
+module reachable under the name the proposer reads. Both can be needed at once; the plugin writes what is.
+
 What it does not cover: an inner decoder that does not collect aux states (a model change), a
 wrapper whose forward post-processes the language model's output (the aux states would be dropped),
 and pipeline parallelism across the wrapper (aux tensors between ranks are the model's business).
@@ -26,35 +30,41 @@ from eaglekit.manifest import atomic_write_text, claim_output
 GROUP = "vllm.general_plugins"
 GETTERS = ("get_eagle3_default_aux_hidden_state_layers", "get_eagle3_aux_hidden_state_layers")
 
-MODEL_TEMPLATE = '''"""{wrapper} with EAGLE-3 delegated to its inner language model ({inner}).
+MODEL_TEMPLATE = '''"""{target_class} {summary}
 
 Written by `eaglekit doctor --engine vllm --fix` for vLLM {version}. Registered for architecture
 {architecture!r} by `register()` in __init__.py (entry point group `vllm.general_plugins`).
 """
 
 from vllm.model_executor.models.interfaces import SupportsEagle3
-from {module} import {wrapper} as _Wrapper
+from {module} import {target_class} as _Target
+{constants}
 
-GETTERS = {getters!r}
-# vLLM's EAGLE proposer reads `image_token_index` from a multimodal target's config when it loads the drafter
-# (before any EAGLE-3 check); wrappers that name their image placeholder otherwise get it under that name too
-PLACEHOLDER_NAMES = ("image_token_id", "media_placeholder_token_id")
-
-
-class {name}(_Wrapper, SupportsEagle3):
-    """{wrapper} + SupportsEagle3: both interface methods forward to self.language_model."""
+class {name}(_Target, SupportsEagle3):
+    """{target_class} {summary}"""
 
     supports_eagle3 = True
 
     def __init__(self, *, vllm_config, prefix: str = ""):  # the signature vLLM inspects to call models
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        config = getattr(self, "config", None)
+{init_body}{methods}'''
+
+# A wrapper whose inner language model implements SupportsEagle3: delegate the interface to it.
+DELEGATION_SUMMARY = "with EAGLE-3 delegated to its inner language model ({inner})"
+DELEGATION_CONSTANTS = '''
+GETTERS = {getters!r}
+# vLLM's EAGLE proposer reads `image_token_index` from a multimodal target's config when it loads the drafter
+# (before any EAGLE-3 check); wrappers that name their image placeholder otherwise get it under that name too
+PLACEHOLDER_NAMES = ("image_token_id", "media_placeholder_token_id")
+'''
+DELEGATION_INIT = '''        config = getattr(self, "config", None)
         if config is not None and not hasattr(config, "image_token_index"):
             for placeholder in PLACEHOLDER_NAMES:
                 if hasattr(config, placeholder):
                     config.image_token_index = getattr(config, placeholder)
                     break
-
+'''
+DELEGATION_METHODS = '''
     def set_aux_hidden_state_layers(self, layers):
         self.language_model.set_aux_hidden_state_layers(layers)
 
@@ -69,6 +79,17 @@ class {name}(_Wrapper, SupportsEagle3):
 
     def get_eagle3_default_aux_hidden_state_layers(self):
         return self._inner_default_layers()
+'''
+
+# A decoder whose embedding has a name vLLM's EAGLE proposer does not look up: expose it under one it does.
+ALIAS_SUMMARY = "with its decoder's embedding ({attribute}) also reachable as {alias}"
+ALIAS_CONSTANTS = '''
+# vLLM's EAGLE proposer looks the target's embedding up as `language_model.{holder}.{alias}` when it loads a
+# drafter ({proposer}); this decoder names it `{attribute}`
+'''
+ALIAS_INIT = '''        decoder = {decoder_path}
+        if not hasattr(decoder, {alias!r}):  # object.__setattr__: the same module, not registered (nor loaded) twice
+            object.__setattr__(decoder, {alias!r}, decoder.{attribute})
 '''
 
 INIT_TEMPLATE = '''"""vLLM plugin written by eaglekit: EAGLE-3 for {architecture} by delegation to its language
@@ -107,7 +128,7 @@ def _slug(name: str) -> str:
 
 
 def write_vllm_plugin(report: dict[str, Any], output: str | Path, overwrite: bool = False) -> Path:
-    """Write the plugin package for the wrapper in `report` (a vLLM doctor report) under `output`: a project
+    """Write the plugin package for the target in `report` (a vLLM doctor report) under `output`: a project
     folder named after the package, which an earlier `--fix` may have written (it is rewritten) and nothing else
     may have, unless `overwrite`."""
     if report["engine"] != "vllm":
@@ -117,22 +138,47 @@ def write_vllm_plugin(report: dict[str, Any], output: str | Path, overwrite: boo
     if not report.get("plugin_fix_possible"):
         why = "; ".join(report["reasons"]) or "the doctor could not establish the facts"
         raise EaglekitError(f"a delegation plugin cannot fix this: {why}. Needed instead: {'; '.join(report['fix'])}")
-    wrapper = report.get("wrapper") or {}
-    if wrapper.get("forward_passthrough") is not True:
-        raise EaglekitError(f"{report['class']['class']}.forward does not visibly return the "
-                            "language model's output, so the aux states could be dropped on the way out; the "
-                            "plugin would not be enough")
     architecture = report["target"]["architecture"]
     package = f"eaglekit_eagle3_{_slug(architecture)}"
     fields = {"architecture": architecture, "package": package, "name": f"Eagle3{report['class']['class']}",
-              "wrapper": report["class"]["class"], "module": report["class"]["module"],
-              "inner": wrapper["inner"]["class"], "getters": GETTERS, "version": report["engine_version"],
-              "distribution": package.replace("_", "-")}
+              "target_class": report["class"]["class"], "module": report["class"]["module"],
+              "version": report["engine_version"], "distribution": package.replace("_", "-")}
+    model = MODEL_TEMPLATE.format(**fields, **_plugin_parts(report))
     root = claim_output(Path(output) / package.replace("_", "-"), "doctor", overwrite)
     atomic_write_text(root / "pyproject.toml", PYPROJECT_TEMPLATE.format(**fields))
-    atomic_write_text(root / package / "model.py", MODEL_TEMPLATE.format(**fields))
+    atomic_write_text(root / package / "model.py", model)
     atomic_write_text(root / package / "__init__.py", INIT_TEMPLATE.format(**fields))
     return root
+
+
+def _plugin_parts(report: dict[str, Any]) -> dict[str, str]:
+    """The plugin class's summary, constants, __init__ lines and methods: delegation to a wrapper's language model,
+    an alias for the decoder's embedding, or both."""
+    wrapper = report.get("wrapper") or {}
+    delegate = bool(wrapper) and not report["interface"]["implements"]
+    embedding = (report.get("serving") or {}).get("embedding") or {}
+    alias = embedding.get("status") == "missing" and embedding.get("embedding_attribute")
+    summaries, constants, init, methods = [], "", "", ""
+    if delegate:
+        if wrapper.get("forward_passthrough") is not True:
+            raise EaglekitError(f"{report['class']['class']}.forward does not visibly return the "
+                                "language model's output, so the aux states could be dropped on the way out; the "
+                                "plugin would not be enough")
+        inner = wrapper["inner"]["class"]
+        summaries.append(DELEGATION_SUMMARY.format(inner=inner))
+        constants += DELEGATION_CONSTANTS.format(getters=GETTERS)
+        init += DELEGATION_INIT
+        methods += DELEGATION_METHODS.format(inner=inner)
+    if alias:
+        names = {"attribute": embedding["embedding_attribute"], "alias": embedding["names"][0],
+                 "holder": embedding["holder"], "proposer": embedding["proposer"],
+                 "decoder_path": f"self.language_model.{embedding['holder']}" if wrapper.get("inner")
+                 else f"self.{embedding['holder']}"}
+        summaries.append(ALIAS_SUMMARY.format(**names))
+        constants += ALIAS_CONSTANTS.format(**names)
+        init += ALIAS_INIT.format(**names)
+    assert summaries, "plugin_fix_possible without a delegation or an alias to write"
+    return {"summary": " and ".join(summaries), "constants": constants, "init_body": init, "methods": methods}
 
 
 # --- reading registrations -------------------------------------------------------------------
