@@ -269,20 +269,14 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
 
 
 def _doctor_target(target: str) -> str:
-    """What the doctor reads: the target's folder, or a hub model's cached config.json (else the name as given)."""
-    from eaglekit.target.loading import resolve_target
+    """What the doctor reads: the target's folder (a hub model's cached snapshot when the hub is not reachable), or a
+    hub model's config.json."""
+    from huggingface_hub import hf_hub_download
 
-    resolved = resolve_target(target)
-    if Path(resolved).exists():
-        return resolved
-    try:
-        from huggingface_hub import hf_hub_download
+    from eaglekit.target.loading import locate_target
 
-        return hf_hub_download(resolved, "config.json")
-    except Exception as error:  # noqa: BLE001 - offline, gated, unknown repo: the doctor then reports on the name
-        log.warning("doctor: cannot fetch config.json of %s (%s); checking the name as given", resolved,
-                    type(error).__name__)
-        return resolved
+    located = locate_target(target)
+    return located if Path(located).exists() else hf_hub_download(located, "config.json")
 
 
 def _doctor_step(directory: Path) -> Callable[[Any], Any]:
@@ -315,8 +309,10 @@ def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.manifest import atomic_write_json, claim_output
     from eaglekit.report import headline_text, write_report
+    from eaglekit.target.loading import locate_target
 
     steps = plan(config)
+    locate_target(config.target)  # a hub id neither served nor cached: one error now, not after training
     out = claim_output(config.out, "run", config.overwrite)
     save_resolved(config, out, name="run.yaml")
     log.info("run: %d stages into %s: %s", len(steps), out, ", ".join(s.name for s in steps))

@@ -1,19 +1,23 @@
 """Loading a target model and its tokenizer through the same `from_pretrained` path for every model.
 
-`tiny_target_path()` is the built-in tiny target committed with the package (the demo's default).
+`tiny_target_path()` is the built-in tiny target committed with the package (the demo's default). A hub id is
+located before any loader runs (`locate_target`): one request to the hub, no retries, else its cached snapshot,
+else one error line naming what was looked for, where, and the fix.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
-import re
+import functools
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
 
 TINY_TARGET = "tiny"  # the name that selects the built-in tiny target
 
@@ -22,48 +26,36 @@ def tiny_target_path() -> Path:
     return Path(__file__).resolve().parent.parent / "assets" / "tiny_target"
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")  # "name" or "org/name"
+def is_hub_id(name: str) -> bool:
+    """A valid hub repo id ("name" or "org/name"), as huggingface_hub defines one."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-
-def offline_mode() -> bool:
-    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) forbids downloads."""
-    return any(
-        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def looks_local(name: str) -> bool:
     """A name that can only mean a path: starts with '.', '/' or '~', has a backslash or two slashes, is no valid
     hub id, or its parent folder exists here (`runs/trian` when `runs/` exists)."""
-    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or not _HUB_ID.match(name):
+    if name.startswith((".", "/", "~")) or "\\" in name or not is_hub_id(name):
         return True
     parent = Path(name).parent
     return parent != Path(".") and parent.is_dir()
 
 
-def missing_path_error(name: str, what: str, fix: str) -> EaglekitError:
-    """'<what> NAME does not exist (did you mean SIBLING?); <fix>' for a path that is not there."""
+def _sibling_hint(name: str) -> str:
     path = Path(name).expanduser()
     siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
     close = difflib.get_close_matches(path.name, siblings, n=1)
-    hint = f" (did you mean {path.parent / close[0]}?)" if close else ""
-    return EaglekitError(f"{what} {name} does not exist{hint}; {fix}")
+    return f" (did you mean {path.parent / close[0]}?)" if close else ""
 
 
-def _check_cached(name: str) -> None:
-    """In offline mode a hub id must be in the local Hugging Face cache: one error instead of retries."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(name, "config.json")
-    except ValueError:  # huggingface_hub's HFValidationError: not a valid repo id at all
-        cached = None
-    if not isinstance(cached, str):
-        raise EaglekitError(
-            f"target {name} is no local directory and is not in the Hugging Face cache, and offline mode "
-            "is on (HF_HUB_OFFLINE=1): give the model's directory, or unset HF_HUB_OFFLINE to download it"
-        )
+def missing_path_error(name: str, what: str, fix: str) -> EaglekitError:
+    """'<what> NAME does not exist (did you mean SIBLING?); <fix>' for a path that is not there."""
+    return EaglekitError(f"{what} {name} does not exist{_sibling_hint(name)}; {fix}")
 
 
 def resolve_target(name_or_path: str) -> str:
@@ -91,36 +83,109 @@ def resolve_target(name_or_path: str) -> str:
     return name_or_path
 
 
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The folder of `repo_id`'s snapshot in the local Hugging Face cache, or None (never touches the network)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError):  # not cached, or no valid repo id
+        return None
+
+
 def local_model_dir(name_or_path: str) -> str:
     """The target as a folder on this disk, for an engine that loads it itself: a directory as it is, a hub id as
     its snapshot in the Hugging Face cache (what eaglekit's own loading left there; nothing is downloaded)."""
     resolved = resolve_target(name_or_path)
     if Path(resolved).is_dir():
         return resolved
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(resolved, local_files_only=True)
-    except (LocalEntryNotFoundError, ValueError):  # not cached, or no valid repo id
+    cached = _cached_snapshot(resolved)
+    if cached is None:
         raise EaglekitError(f"target {name_or_path} is no local directory and not in the Hugging Face cache: "
-                            f"download it first (`hf download {name_or_path}`), or pass target= its "
-                            "directory") from None
+                            f"download it first (`hf download {name_or_path}`), or pass target= its directory")
+    return cached
 
 
-def _loadable(name_or_path: str) -> str:
-    """`resolve_target`, and in offline mode a hub id must be in the cache: what the loaders below read from."""
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The exceptions of the HTTP client huggingface_hub sends its requests with (httpx2 from 2.0, httpx before)."""
+    try:
+        import httpx2 as client
+    except ImportError:
+        import httpx as client
+    return (client.TransportError,)
+
+
+@functools.cache
+def hub_problem(repo_id: str) -> str | None:
+    """One request to the hub, no retries: None when it serves `repo_id` with this token, else what is wrong:
+    "gated", "missing" (no such model, or a private one), "unreachable" (no network) or an HTTP status."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    api = HfApi()
+    try:
+        if api.model_info(repo_id, timeout=constants.HF_HUB_ETAG_TIMEOUT).gated:
+            api.auth_check(repo_id)
+    except GatedRepoError:
+        return "gated"
+    except RepositoryNotFoundError:
+        return "missing"
+    except HfHubHTTPError as error:
+        return f"HTTP {error.response.status_code}"
+    except _transport_errors():
+        return "unreachable"
+    return None
+
+
+def _not_found(name: str, problem: str) -> EaglekitError:
+    from huggingface_hub import constants
+
+    where = f"target {name} is no local directory{_sibling_hint(name)} and not in the Hugging Face cache"
+    if problem == "offline":
+        return EaglekitError(f"{where} ({constants.HF_HUB_CACHE}), and offline mode is on (HF_HUB_OFFLINE=1): "
+                             "fix the path, or unset HF_HUB_OFFLINE to download it")
+    if problem == "unreachable":
+        return EaglekitError(f"{where} ({constants.HF_HUB_CACHE}), and {constants.ENDPOINT} cannot be reached: "
+                             f"fix the path, or download it where there is a network (`hf download {name}`)")
+    if problem == "gated":
+        return EaglekitError(f"{where}, and it is gated on the hub: accept its terms on its hub page, then set "
+                             "HF_TOKEN (or run `hf auth login`)")
+    if problem == "missing":
+        return EaglekitError(f"{where}, and the hub has no model of that name (a private one needs HF_TOKEN or "
+                             "`hf auth login`): fix the path or the name")
+    return EaglekitError(f"{where}, and the hub answered {problem}: try again later, or give the model's directory")
+
+
+def locate_target(name_or_path: str) -> str:
+    """`resolve_target`, and for a hub id where its files come from, decided before any loader runs (one request,
+    no retries): the hub when it serves the model, else its snapshot in the local cache; neither is one
+    EaglekitError naming what was looked for, where, and the fix."""
+    from huggingface_hub import is_offline_mode
+
     resolved = resolve_target(name_or_path)
-    if resolved == name_or_path and not Path(resolved).expanduser().exists() and offline_mode():
-        _check_cached(name_or_path)
-    return resolved
+    if Path(resolved).exists():
+        return resolved
+    cached = _cached_snapshot(resolved)
+    if is_offline_mode():
+        if cached is None:
+            raise _not_found(name_or_path, "offline")
+        return resolved  # the loaders read the cache themselves in offline mode
+    problem = hub_problem(resolved)
+    if problem is None:
+        return resolved
+    if cached is None:
+        raise _not_found(name_or_path, problem)
+    log.info("target %s: the hub answered %s; using its snapshot in the Hugging Face cache, %s", name_or_path,
+             problem, cached)
+    return cached
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(_loadable(name_or_path), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(locate_target(name_or_path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise EaglekitError(f"cannot load the tokenizer of {name_or_path}: {error}") from None
 
@@ -131,7 +196,7 @@ def load_target_config(name_or_path: str, trust_remote_code: bool = False) -> An
 
     from transformers import AutoConfig
 
-    path = _loadable(name_or_path)
+    path = locate_target(name_or_path)
     config_file = Path(path) / "config.json"
     if not trust_remote_code and config_file.is_file():
         try:
@@ -167,7 +232,11 @@ def load_target(
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    path = _loadable(name_or_path)
+    if device_map:  # transformers places the layers through accelerate
+        from eaglekit.extras import require
+
+        require("accelerate", f"device_map={device_map}")
+    path = locate_target(name_or_path)
     config = load_target_config(name_or_path, trust_remote_code)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if device_map:
