@@ -241,12 +241,10 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 # ---- plots --------------------------------------------------------------------------------------
 
 def _pyplot() -> Any:
-    import matplotlib
+    """pyplot, or None when matplotlib is not installed (the report is written without its plots)."""
+    from eaglekit.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot("the run report's plots")
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -260,6 +258,8 @@ def plot_training(metrics: dict[str, list[dict[str, Any]]], path: Path) -> bool:
     if not train and not val:
         return False
     plt = _pyplot()
+    if plt is None:
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     if train:
         left.plot([m["step"] for m in train], [m["loss"] for m in train], label="train")
@@ -288,6 +288,8 @@ def plot_acceptance(rows: list[dict[str, Any]], val: dict[str, Any], path: Path)
     if not measured and not val.get("acc_k"):
         return False
     plt = _pyplot()
+    if plt is None:
+        return False
     fig, axis = plt.subplots(figsize=(7, 4.5))
     for row in measured:
         rates = row["acceptance_per_position"]

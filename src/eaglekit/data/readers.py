@@ -96,10 +96,9 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _dataset_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """Rows of a `save_to_disk` directory, a directory of data files, or one parquet/arrow/csv file."""
-    try:
-        import datasets
-    except ImportError:
-        raise EaglekitError(f"reading {path} needs the `datasets` package: pip install datasets") from None
+    from eaglekit.extras import require
+
+    datasets = require("datasets", f"reading {path} (a Hugging Face dataset)")
     try:
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             loaded = datasets.load_from_disk(str(path))
