@@ -189,13 +189,29 @@ def test_a_worker_that_fails_reports_its_log(tmp_path):
         ve.run_worker(ve.Engine(broken, ve.TESTED_VERSION), {"kind": "version"}, tmp_path, "offline")
 
 
-def test_a_refused_drafter_quotes_the_engine_and_names_the_fix(tmp_path):
-    engine = ve.Engine("python", "0.32.0")
+def test_a_refused_drafter_quotes_the_engine_and_names_the_doctors_fix(tmp_path):
+    """bench's error quotes vLLM and gives the doctor's remedy for the vLLM it ran: `--fix` only where --fix writes
+    a plugin (a synthetic vLLM tree stands in for the engine's site-packages)."""
+    import json
+
+    fixtures = Path(__file__).parent / "fixtures" / "engines" / "vllm_tree"
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    site.parent.mkdir(parents=True)
+    site.symlink_to(fixtures)
+    engine = ve.Engine(str(tmp_path / "venv" / "bin" / "python"), "0.32.0")
+    targets = {}
+    for name in ("ToyVLForConditionalGeneration", "PlainVLForConditionalGeneration"):
+        targets[name] = tmp_path / f"{name}.json"
+        text = {"model_type": "toy", "num_hidden_layers": 8}
+        targets[name].write_text(json.dumps({"architectures": [name], "model_type": "toy_vl", "text_config": text}))
     run = {"name": "vllm_eagle3", "error": "ValueError: Model does not support EAGLE3 interface but "
                                             "aux_hidden_state_outputs was requested"}
-    error = engine_error(run, engine, "/models/kimi", tmp_path / "offline.log")
-    assert "does not support EAGLE3 interface" in str(error)
-    assert "eaglekit doctor --engine vllm --target /models/kimi --fix" in str(error)
+    fixable = str(engine_error(run, engine, str(targets["ToyVLForConditionalGeneration"]), tmp_path / "o.log"))
+    assert "does not support EAGLE3 interface" in fixable
+    assert f"eaglekit doctor --engine vllm --target {targets['ToyVLForConditionalGeneration']} --fix" in fixable
+    refused = str(engine_error(run, engine, str(targets["PlainVLForConditionalGeneration"]), tmp_path / "o.log"))
+    assert "--fix" not in refused and "the doctor (eaglekit doctor --engine vllm --target" in refused
+    assert "PlainVLForConditionalGeneration" in refused
     other = engine_error({"name": "vllm_eagle3", "error": "KeyError: 'fc.weight'"}, engine, "t", tmp_path / "o.log")
     assert "KeyError: 'fc.weight'" in str(other) and "eaglekit doctor --engine vllm --target t" in str(other)
 

@@ -34,10 +34,12 @@ class Target:
 
 
 def read_target(target: str) -> Target:
-    """A config.json, a model directory holding one, or a bare architecture name."""
+    """A config.json, a model directory holding one, `tiny`, a hub id (its config.json), or an architecture name."""
     if not target:
-        raise EaglekitError("no target given: pass target=<config.json | model dir | architecture name>")
+        raise EaglekitError("no target given: pass target=<config.json | model dir | hub id | architecture name>")
     path = Path(target).expanduser()
+    if not path.exists() and (target == "tiny" or "/" in target):
+        path = _hub_or_tiny_config(target)
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
@@ -59,10 +61,26 @@ def read_target(target: str) -> Target:
                       text.get("num_hidden_layers") or data.get("num_hidden_layers"),
                       (text.get("architectures") or [None])[0], str(path))
     if not target.replace("_", "").isalnum():
-        raise EaglekitError(f"target '{target}' is neither an existing config.json/model directory nor an architecture "
-                            "name; for a hub model, download its config.json (huggingface-cli download <id> "
-                            "config.json) and pass that")
+        raise EaglekitError(f"target '{target}' is neither an existing config.json/model directory, a hub id nor an "
+                            "architecture name (such as LlamaForCausalLM)")
     return Target(target, source="architecture name")
+
+
+def _hub_or_tiny_config(target: str) -> Path:
+    """The config.json of the built-in tiny target or of a hub model (its cached snapshot's, else downloaded); a
+    local-looking path that is not there, or a hub model that cannot be had, is one EaglekitError with the fix."""
+    from eaglekit.target.loading import locate_target
+
+    try:
+        located = locate_target(target)
+    except EaglekitError as error:
+        raise EaglekitError(f"{error}; or give the doctor the architecture name (such as --target "
+                            "LlamaForCausalLM)") from None
+    if Path(located).is_dir():
+        return Path(located) / "config.json"
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(located, "config.json"))
 
 
 # --- registries -------------------------------------------------------------------------------

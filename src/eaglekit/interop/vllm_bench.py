@@ -26,9 +26,6 @@ from eaglekit.interop import vllm_engine as ve
 log = logging.getLogger(__name__)
 
 PLAIN, EAGLE3 = "vllm_plain", "vllm_eagle3"
-# vLLM refusals that `eaglekit doctor --fix`'s plugin fixes: a wrapper without SupportsEagle3, and (vLLM 0.32) a
-# wrapper whose config names its image placeholder otherwise than the `image_token_index` its EAGLE proposer reads
-PLUGIN_FIXES = ("does not support EAGLE3", "has no attribute 'image_token_index'")
 
 
 def export_for_vllm(drafter_dir: str, output: Path, speculative_tokens: int) -> Path:
@@ -49,14 +46,27 @@ def model_length(prompts: list[list[int]], max_new_tokens: int, speculative_toke
 
 
 def engine_error(run: dict[str, Any], engine: ve.Engine, target: str, log_path: Path) -> EaglekitError:
-    """A vLLM refusal as one line: the engine's own words, and the fix."""
-    text = run["error"]
-    if any(sign in text for sign in PLUGIN_FIXES):
-        fix = ("this vLLM's class for the target lacks EAGLE-3 support: run `eaglekit doctor --engine "
-               f"vllm --target {target} --fix` and pip-install the plugin it writes into vLLM's environment")
-    else:
-        fix = f"check the drafter export and the target with `eaglekit doctor --engine vllm --target {target}`"
-    return EaglekitError(f"vLLM {engine.version} rejected run {run['name']}: {text[:400]}; {fix} (log: {log_path})")
+    """A vLLM refusal as one line: the engine's own words, and the fix the doctor gives for this target."""
+    return EaglekitError(f"vLLM {engine.version} rejected run {run['name']}: {run['error'][:400]}; "
+                         f"{doctor_advice(engine, target)} (log: {log_path})")
+
+
+def doctor_advice(engine: ve.Engine, target: str) -> str:
+    """What to do, from the doctor's report on the vLLM this engine runs: `--fix` only where it writes a plugin."""
+    from eaglekit.interop.engine_doctor import diagnose
+
+    check = f"eaglekit doctor --engine vllm --target {target}"
+    sites = sorted(Path(engine.python).parent.parent.glob("lib/python3*/site-packages/vllm"))
+    try:
+        report = diagnose("vllm", target, str(sites[0]) if sites else "")
+    except EaglekitError as error:
+        return f"check the drafter export and the target with `{check}` ({error})"
+    if report.get("plugin_fix_possible"):
+        return (f"this vLLM's class for the target needs a plugin: run `{check} --fix` and pip-install the plugin "
+                "it writes into vLLM's environment")
+    if report["verdict"] != "supported":
+        return f"the doctor ({check}) says: {'; '.join(report['fix'] or report['reasons'])}"
+    return f"the doctor finds this target supported, so check the drafter export (and `{check}`)"
 
 
 def sample_specs(temperatures: tuple[float, ...], samples: int, num_prompts: int,
