@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATASET_SUFFIXES = (".parquet", ".arrow", ".csv")
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# names every stage's data/prompts option takes for the prompt files shipped with eaglekit
+SHIPPED_DATA = {"tiny": ASSETS / "tiny_prompts.jsonl", "tiny-eval": ASSETS / "tiny_prompts_eval.jsonl"}
 
 
 @dataclass
@@ -147,7 +150,7 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
 def _as_paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    result = [Path(p).expanduser() for p in paths if str(p).strip()]
+    result = [SHIPPED_DATA.get(str(p), Path(p).expanduser()) for p in paths if str(p).strip()]
     if not result:
         raise EaglekitError("no data given: pass data=FILE (a .jsonl/.json file or a dataset directory)")
     return result

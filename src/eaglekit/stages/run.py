@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 PIPELINE = ("regen", "extract", "vocab", "train", "bench", "export", "doctor")
 ENGINES = ("vllm", "sglang")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-DATA_SHORTHANDS = {"tiny": "assets/tiny_prompts.jsonl", "tiny-eval": "assets/tiny_prompts_eval.jsonl"}
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,10 @@ class Config:
 
 def resolve_data_path(value: str) -> str:
     """'tiny'/'tiny-eval' -> the shipped prompt files; a path that does not exist here is looked up in the package."""
-    if value in DATA_SHORTHANDS:
-        return str(PACKAGE_DIR / DATA_SHORTHANDS[value])
+    from eaglekit.data.readers import SHIPPED_DATA
+
+    if value in SHIPPED_DATA:
+        return str(SHIPPED_DATA[value])
     path = Path(value).expanduser()
     if path.exists():
         return str(path)
