@@ -92,11 +92,36 @@ def test_version(capsys):
 
 
 def test_argument_forms():
-    path, overrides = split_args(["FILE", "--config", "c.yaml", "--target", "tiny", "--flag", "a.b=3", "--x=1"], ("data",))
+    args = ["FILE", "--config", "c.yaml", "--target", "tiny", "--flag", "a.b=3", "--x=1", "--on", "false"]
+    path, overrides = split_args(args, ("data",), flags={"flag", "on"})
     assert path == "c.yaml"
-    assert overrides == ["data=FILE", "target=tiny", "flag=true", "a.b=3", "x=1"]
+    assert overrides == ["data=FILE", "target=tiny", "flag=true", "a.b=3", "x=1", "on=false"]
     with pytest.raises(EaglekitError, match="unexpected argument"):
         split_args(["a", "b"], ("data",))
+    with pytest.raises(EaglekitError, match="--prompt needs a value: --prompt VALUE, or prompt=VALUE"):
+        split_args(["--prompt", "--max_new_tokens", "3"])
+
+
+@pytest.mark.parametrize("text", ["x = 1", "a=b", "#1", "[1, 2]", "key: value", "null", "true", "3", "  padded "])
+def test_any_text_after_a_text_option_is_its_value(text):
+    """`generate --prompt "x = 1"` is the prompt "x = 1", not an option x; YAML never reads a text option."""
+    from eaglekit.config import flag_keys, load_config
+    from eaglekit.stages import generate
+
+    positional = [[text]] if "=" not in text or " =" in text else []  # `a=b` alone is the option a
+    for args in (["--prompt", text], [f"prompt={text}"], [f"--prompt={text}"], *positional):
+        path, overrides = split_args([*args, "--chat", "--max_new_tokens", "3"], generate.POSITIONAL,
+                                     flag_keys(generate.Config))
+        config = load_config(generate.Config, path, overrides)
+        assert (config.prompt, config.chat, config.max_new_tokens) == (text, True, 3), args
+
+
+def test_a_flag_before_a_positional_stays_a_flag():
+    from eaglekit.config import flag_keys
+    from eaglekit.stages import doctor
+
+    _, overrides = split_args(["--fix", "org/model"], doctor.POSITIONAL, flag_keys(doctor.Config))
+    assert overrides == [f"{doctor.POSITIONAL[0]}=org/model", "fix=true"]
 
 
 def test_unknown_stage_suggests(capsys):

@@ -10,8 +10,10 @@ import ast
 import importlib.util
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Collection
 
 from eaglekit.version import __version__
 from eaglekit.errors import EaglekitError
@@ -46,8 +48,18 @@ def _print_stage_help(name: str) -> None:
         print(f"  {key} ({type_name}, default {default!r}): {help_text}")
 
 
-def split_args(args: list[str], positional: tuple[str, ...] = ()) -> tuple[str | None, list[str]]:
-    """`--config F`, `key=value`, `--key value`, `--key=value`, `--flag`, bare positionals -> (config, overrides)."""
+KEY_VALUE = re.compile(r"^[A-Za-z_][\w.-]*=")  # `key=value`, `train.lr=1e-4`
+BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+def split_args(
+    args: list[str], positional: tuple[str, ...] = (), flags: Collection[str] = ()
+) -> tuple[str | None, list[str]]:
+    """`--config F`, `key=value`, `--key value`, `--key=value`, `--flag`, bare positionals -> (config, overrides).
+
+    `--key value` takes the next argument as the value whatever it holds (`--prompt "x = 1"`); a boolean key
+    (in `flags`) stands alone as true unless a true/false word follows it; an argument is `key=value` only when
+    what comes before its `=` is a key (`generate "x = 1"` is a positional prompt)."""
     config_path, overrides, bare = None, [], []
     i = 0
     while i < len(args):
@@ -57,18 +69,22 @@ def split_args(args: list[str], positional: tuple[str, ...] = ()) -> tuple[str |
                 raise EaglekitError("--config needs a file path")
             config_path, i = args[i + 1], i + 2
             continue
-        if arg.startswith("--"):
-            key = arg[2:]
-            if "=" in key:
-                overrides.append(key)
-            elif i + 1 < len(args) and not args[i + 1].startswith("--") and "=" not in args[i + 1]:
-                overrides.append(f"{key}={args[i + 1]}")
-                i += 1
+        if arg.startswith("--") and "=" in arg:
+            overrides.append(arg[2:])
+        elif arg.startswith("--"):
+            key, following = arg[2:], args[i + 1] if i + 1 < len(args) else None
+            if key.replace("-", "_") in flags:
+                taken = following is not None and following.lower() in BOOLEAN_WORDS
+                overrides.append(f"{key}={following if taken else 'true'}")
+                i += taken
+            elif following is None or following.startswith("--"):
+                raise EaglekitError(f"{arg} needs a value: {arg} VALUE, or {key}=VALUE")
             else:
-                overrides.append(f"{key}=true")
-        elif "=" in arg:
+                overrides.append(f"{key}={following}")
+                i += 1
+        elif KEY_VALUE.match(arg):
             overrides.append(arg)
-        else:
+        else:  # text with no `key=` in front ("x = 1" too): a positional argument
             bare.append(arg)
         i += 1
     if len(bare) > len(positional):
@@ -123,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         return _show(_print_stage_help, name)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        from eaglekit.config import load_config
+        from eaglekit.config import flag_keys, load_config
 
         stage = load_stage(name)
-        config_path, overrides = split_args(rest, getattr(stage, "POSITIONAL", ()))
+        config_path, overrides = split_args(rest, getattr(stage, "POSITIONAL", ()), flag_keys(stage.Config))
         config = load_config(stage.Config, config_path, overrides)
         stage.run(config)
     except EaglekitError as error:

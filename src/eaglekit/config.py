@@ -47,9 +47,29 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+class CommandLineText(str):
+    """A value as typed on the command line: kept verbatim for a text option (`prompt=x = 1`, `prompt=#1`), read as
+    a YAML scalar for any other type (`1e-4`, `true`, `[2,3]`)."""
+
+
+def _read_text(value: CommandLineText, tp: Any) -> Any:
+    if tp is str:
+        return str(value)
+    if not value.strip():
+        return ""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return str(value)
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert a YAML-parsed value to the declared field type, or raise a clear error."""
+    """Convert a YAML-parsed value (or command-line text) to the declared field type, or raise a clear error."""
     tp, optional = _strip_optional(tp)
+    if isinstance(value, CommandLineText):
+        if optional and value.lower() in ("none", "null"):
+            return None
+        value = _read_text(value, tp)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
         if optional or tp is Any:
             return None
@@ -155,17 +175,13 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`["a.b=1", "name=x"]` -> nested dict, values parsed as YAML scalars (`1e-4`, `true`, `[2,3]`)."""
+    """`["a.b=1", "name=x"]` -> nested dict of `CommandLineText` values (read by each option's type when built)."""
     tree: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
             raise EaglekitError(f"expected key=value, got '{pair}'")
         key, raw = pair.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(tree, key.strip().replace("-", "_"), value)
+        _set_dotted(tree, key.strip().replace("-", "_"), CommandLineText(raw))
     return tree
 
 
@@ -225,6 +241,11 @@ def save_resolved(config: Any, directory: str | Path, name: str = "config.yaml")
     tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     tmp.replace(target)
     return target
+
+
+def flag_keys(cls: type) -> frozenset[str]:
+    """The dotted keys of boolean options: `--key` alone on the command line sets them to true."""
+    return frozenset(key for key, type_name, _, _ in describe(cls) if type_name == "bool")
 
 
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
