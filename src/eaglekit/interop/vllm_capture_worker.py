@@ -20,6 +20,7 @@ so the engine is stepped until every file is there. eaglekit stops this process'
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -154,10 +155,22 @@ class Loop:
             self.steps += 1
 
 
+def die_with_parent() -> None:
+    """A killed eaglekit (kill -9 included) takes this engine with it (Linux: the parent-death signal)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the call above
+        sys.exit(1)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_capture_worker.py JOB.json", file=sys.stderr)
         return 2
+    die_with_parent()
     with open(argv[1]) as handle:
         job = json.load(handle)
     events = Events(os.path.join(job["spool"], "events.jsonl"))

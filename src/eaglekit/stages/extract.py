@@ -98,9 +98,9 @@ def run(config: Config) -> ExtractResult:
     if config.backend == "vllm":
         _check(config)
         return _run_vllm(config)
-    if config.regenerate:
-        raise EaglekitError("regenerate=true runs in the engine: pass backend=vllm (or run eaglekit regen, then "
-                            "extract its conversations.jsonl)")
+    if config.regenerate or config.tensor_parallel_size != 1:
+        raise EaglekitError("regenerate and tensor_parallel_size run in the engine: pass backend=vllm (or run "
+                            "eaglekit regen, then extract its conversations.jsonl)")
     from eaglekit.manifest import claim_output
     from eaglekit.runtime import resolve_dtype
     from eaglekit.target import extract as lib
@@ -193,8 +193,13 @@ def _engine_options(config: Config) -> Any:
                             "'{\"gpu_memory_utilization\": 0.9}'") from None
     if not isinstance(extra, dict):
         raise EaglekitError("vllm_engine_args must be a JSON object of vllm.LLM arguments")
-    if config.tensor_parallel_size < 1 or config.max_batch_size < 1:
-        raise EaglekitError("tensor_parallel_size and max_batch_size must be >= 1")
+    if config.tensor_parallel_size < 1 or config.max_batch_size < 1 or config.max_new_tokens < 1:
+        raise EaglekitError("tensor_parallel_size, max_batch_size and max_new_tokens must be >= 1")
+    if config.temperature < 0:
+        raise EaglekitError(f"temperature={config.temperature}: pass 0 (greedy) or more")
+    if config.device_map or config.decoder_path:
+        raise EaglekitError("device_map and decoder_path are backend=hf options: vLLM places and finds the layers "
+                            "itself (tensor_parallel_size= shards the target)")
     return EngineOptions(config.vllm_python, config.vllm_version_check, config.tensor_parallel_size,
                          config.model_dtype, extra, max_in_flight=config.max_batch_size,
                          max_spool=2 * config.max_batch_size)
@@ -283,13 +288,13 @@ def _run_vllm(config: Config) -> ExtractResult:
     options = _engine_options(config)
     parallelism = writer_parallelism(config.writer_threads, config.buffers)
     out = claim_output(Path(config.output), "extract", config.overwrite)
-    engine = ve.find_engine(options.python, options.version_check)  # fails fast: vLLM missing or another version
     target_dir = local_model_dir(config.target)
     target_config = _target_config(config)
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
     num_layers = int(getattr(text_config(target_config), "num_hidden_layers", 0) or 0)
     aux_ids = lib.resolve_aux_ids(config.aux_layer_ids, config.aux_layer_convention, num_layers, config.target)
-    layers = vc.engine_layers(aux_ids, num_layers, ve.target_facts(target_dir)["mla"])  # before the engine starts
+    layers = vc.engine_layers(aux_ids, num_layers, ve.target_facts(target_dir)["mla"])  # before vLLM is touched
+    engine = ve.find_engine(options.python, options.version_check)  # vLLM missing or another version
     layout, identity = lib.layout_and_identity(target_config, tokenizer, aux_ids, config.dtype, config.max_length,
                                                config.chat_template)
     if config.regenerate:
