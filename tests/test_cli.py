@@ -134,3 +134,29 @@ def test_every_stage_help_lists_options(name, capsys):
     assert main([name, "--help"]) == 0
     out = capsys.readouterr().out
     assert "options" in out and "default" in out
+
+
+@pytest.mark.parametrize("level, shown", [(None, ["mine", "their warning"]),
+                                          ("info", ["HTTP Request: GET /", "mine", "their warning"]),
+                                          ("warning", ["their warning"])])
+def test_other_libraries_info_lines_are_off_unless_asked(level, shown):
+    """httpx's "HTTP Request:" lines and the like are INFO of another library: hidden by default (a fresh process:
+    logging is configured once)."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from eaglekit.cli import setup_logging; setup_logging(%r); "
+            "logging.getLogger('httpx').info('HTTP Request: GET /'); logging.getLogger('eaglekit.run').info('mine'); "
+            "logging.getLogger('urllib3').warning('their warning')" % level)
+    stderr = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    assert [line.split(": ", 1)[1] for line in stderr.splitlines()] == shown
+
+
+def test_verbose_and_log_level_are_taken_before_the_stage_options():
+    from eaglekit.cli import logging_options
+
+    assert logging_options(["data.jsonl", "--verbose", "lr=1"]) == (["data.jsonl", "lr=1"], "info")
+    assert logging_options(["--log-level", "DEBUG", "x=1"]) == (["x=1"], "debug")
+    assert logging_options(["--log-level=warning"]) == ([], "warning")
+    with pytest.raises(EaglekitError, match="--log-level loud: choose one of debug, info, warning, error"):
+        logging_options(["--log-level", "loud"])

@@ -19,7 +19,8 @@ from eaglekit.version import __version__
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import STAGES, load_stage
 
-USAGE = "usage: eaglekit <stage> [--config FILE] [key=value ...] [--key value ...]   (eaglekit <stage> --help)"
+USAGE = ("usage: eaglekit <stage> [--config FILE] [key=value ...] [--key value ...] [--verbose | --log-level LEVEL]"
+         "   (eaglekit <stage> --help)")
 
 
 def _summary(module_name: str) -> str:
@@ -42,7 +43,7 @@ def _print_stage_help(name: str) -> None:
     from eaglekit.config import describe
 
     stage = load_stage(name)
-    print(f"usage: eaglekit {name} [--config FILE] [key=value ...]\n")
+    print(f"usage: eaglekit {name} [--config FILE] [key=value ...] [--verbose | --log-level LEVEL]\n")
     print((stage.__doc__ or "").strip() + "\n\noptions (key, type, default: meaning):")
     for key, type_name, default, help_text in describe(stage.Config):
         print(f"  {key} ({type_name}, default {default!r}): {help_text}")
@@ -96,6 +97,34 @@ def split_args(
     return config_path, overrides
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def logging_options(args: list[str]) -> tuple[list[str], str | None]:
+    """Take `--verbose`/`-v` (= `--log-level info`) and `--log-level LEVEL` out of a stage's arguments."""
+    rest, level = [], None
+    arguments = iter(args)
+    for arg in arguments:
+        if arg in ("--verbose", "-v"):
+            level = "info"
+        elif arg == "--log-level" or arg.startswith("--log-level="):
+            level = (arg.partition("=")[2] or next(arguments, "")).lower()
+            if level not in LOG_LEVELS:
+                raise EaglekitError(f"--log-level {level or '(missing)'}: choose one of {', '.join(LOG_LEVELS)}")
+        else:
+            rest.append(arg)
+    return rest, level
+
+
+def setup_logging(level: str | None) -> None:
+    """eaglekit's own lines at INFO; other libraries' (HTTP clients' request lines, ...) only from WARNING, unless
+    `--log-level`/`--verbose` asks for them: then every library logs at that level. Progress bars are not logs."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if level is not None:
+        logging.getLogger().setLevel(level.upper())
+    logging.getLogger("eaglekit").setLevel((level or "info").upper())
+
+
 def _show(print_help, *args) -> int:
     """Print help; a reader that leaves early (`eaglekit run --help | head`) is not an error."""
     try:
@@ -137,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if any(a in ("-h", "--help") for a in rest):
         return _show(_print_stage_help, name)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        rest, level = logging_options(rest)
+    except EaglekitError as error:
+        print(f"eaglekit {name}: error: {error}", file=sys.stderr)
+        return 1
+    setup_logging(level)
     try:
         from eaglekit.config import flag_keys, load_config
 
