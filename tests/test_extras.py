@@ -50,6 +50,14 @@ def test_a_dataset_without_datasets_names_the_extra(tmp_path, monkeypatch):
         read_conversations(saved)
 
 
+def test_device_map_without_accelerate_names_the_extra_before_loading(monkeypatch):
+    from eaglekit.target.loading import load_target
+
+    missing(monkeypatch, "accelerate")
+    with pytest.raises(EaglekitError, match=r"device_map=auto needs the `accelerate`.*'eaglekit\[multi-gpu\]'"):
+        load_target("no/such-model", device_map="auto")  # refused before the target is looked for
+
+
 def test_plots_without_matplotlib_are_skipped_with_one_warning(tmp_path, monkeypatch, caplog):
     from eaglekit.report import plot_acceptance, plot_training
 
