@@ -333,3 +333,109 @@ def test_entry_points_read_without_tomllib(tmp_path, monkeypatch):
     assert plugin_entry_points(text) == expected == {
         "eaglekit_eagle3_toyvlforconditionalgeneration": "eaglekit_eagle3_toyvlforconditionalgeneration:register"}
     assert plugin_entry_points(tricky) == {"a=b": "a.b:register", "plain": "x#y:f"}
+
+
+# --- what the EAGLE proposer reads of the target when it loads a drafter (engine_serving) ---------------------
+PROPOSER = '''
+class Proposer:
+    def _maybe_share_embeddings(self, target_language_model):
+        inner_model = getattr(target_language_model, "model", None)
+        if inner_model is None:
+            raise AttributeError("Target model does not have 'model' attribute")
+        if hasattr(inner_model, "embed_tokens"):
+            target_embed_tokens = inner_model.embed_tokens
+        elif hasattr(inner_model, "embedding"):
+            target_embed_tokens = inner_model.embedding
+        else:
+            raise AttributeError("Target model does not have 'embed_tokens' or 'embedding' attribute")
+        if hasattr(self.model, "has_own_embed_tokens"):
+            self.model.model.embed_tokens = target_embed_tokens
+'''
+BACKEND = '''
+from torch import nn
+from transformers import AutoModel
+
+from vllm.model_executor.models.interfaces import SupportsEagle3
+
+
+class HubBackedForCausalLM(nn.Module, SupportsEagle3):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__()
+        self.model = AutoModel.from_config(config=vllm_config.model_config.hf_config)
+
+    def set_aux_hidden_state_layers(self, layers):
+        self.aux_layers = layers
+
+    def get_eagle3_aux_hidden_state_layers(self):
+        return (2, 4, 5)
+
+    def forward(self, input_ids, positions):
+        aux_hidden_states = []
+        return self.model(input_ids), aux_hidden_states
+'''
+AUTO = '''
+from collections import OrderedDict
+
+MODEL_MAPPING_NAMES = OrderedDict([("gpt_neox", "GPTNeoXModel"), ("phi", "PhiModel")])
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = OrderedDict([("gpt_neox", "GPTNeoXForCausalLM"), ("phi", "PhiForCausalLM")])
+'''
+HUB_MODEL = '''
+from torch import nn
+
+
+class {name}(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.{attribute} = nn.Embedding(config.vocab_size, config.hidden_size)
+'''
+
+
+def serving_tree(tmp_path: Path) -> Path:
+    """The synthetic vLLM with an EAGLE proposer, a Transformers-backend-like class for GPT-NeoX and Phi, and the
+    Hugging Face base models beside it (GPTNeoXModel names its embedding embed_in, PhiModel embed_tokens); without
+    the model-type allow-list."""
+    tree = tmp_path / "vllm_tree"
+    shutil.copytree(VLLM_TREE, tree)
+    files = {"vllm/v1/__init__.py": "", "vllm/v1/spec_decode/__init__.py": "",
+             "vllm/v1/spec_decode/proposer.py": PROPOSER, "vllm/model_executor/models/backend.py": BACKEND,
+             "transformers/__init__.py": "", "transformers/models/auto/modeling_auto.py": AUTO,
+             "transformers/models/gpt_neox/modeling_gpt_neox.py": HUB_MODEL.format(name="GPTNeoXModel",
+                                                                                  attribute="embed_in"),
+             "transformers/models/phi/modeling_phi.py": HUB_MODEL.format(name="PhiModel", attribute="embed_tokens"),
+             "vllm/config/speculative.py": ""}
+    for relative, text in files.items():
+        (tree / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tree / relative).write_text(text)
+    registry = tree / "vllm/model_executor/models/registry.py"
+    registry.write_text(registry.read_text() + '\n_TRANSFORMERS_MODELS = {\n'
+                        '    "GPTNeoXForCausalLM": ("backend", "HubBackedForCausalLM"),\n'
+                        '    "PhiForCausalLM": ("backend", "HubBackedForCausalLM"),\n}\n')
+    return tree
+
+
+def test_vllm_serving_check_finds_the_embedding_the_proposer_looks_up_and_fix_aliases_it(tmp_path):
+    tree = serving_tree(tmp_path)
+    phi = vllm(target_config(tmp_path, "PhiForCausalLM", model_type="phi"), tree)
+    assert phi["verdict"] == "supported", phi["reasons"]
+    assert phi["serving"]["embedding"]["provided_by"] == "PhiModel.embed_tokens"
+    neox_config = target_config(tmp_path, "GPTNeoXForCausalLM", model_type="gpt_neox")
+    neox = vllm(neox_config, tree)
+    embedding = neox["serving"]["embedding"]
+    assert neox["interface"]["implements"] and neox["verdict"] == "not supported"
+    assert embedding["proposer"] == "vllm/v1/spec_decode/proposer.py:3 (_maybe_share_embeddings)"
+    assert embedding["names"] == ["embed_tokens", "embedding"] and embedding["embedding_attribute"] == "embed_in"
+    assert neox["plugin_fix_possible"] and "--fix" in neox["fix"][-1]
+    assert "drafter loading: vllm/v1/spec_decode/proposer.py:3" in format_report(neox)
+    by_name = vllm("GPTNeoXForCausalLM", tree)  # no config: the model type comes from transformers' causal-LM map
+    assert by_name["serving"]["embedding"]["embedding_attribute"] == "embed_in"
+    toy = vllm(target_config(tmp_path, "ToyForCausalLM"), tree)  # ToyModel builds no embedding at all
+    assert toy["verdict"] == "not supported" and "a model change" in toy["fix"][-1]
+
+    plugin = write_vllm_plugin(neox, tmp_path / "plugins")
+    model_source = (plugin / "eaglekit_eagle3_gptneoxforcausallm" / "model.py").read_text()
+    compile(model_source, "model.py", "exec")
+    assert "object.__setattr__(decoder, 'embed_tokens', decoder.embed_in)" in model_source
+    assert "def set_aux_hidden_state_layers" not in model_source  # the class implements the interface itself
+    fixed = vllm(neox_config, tree, plugins=(str(tmp_path / "plugins"),))
+    assert fixed["verdict"] == "supported", fixed["reasons"]
+    assert fixed["serving"]["embedding"]["provided_by"].startswith("Eagle3HubBackedForCausalLM.__init__")
