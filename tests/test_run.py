@@ -87,10 +87,33 @@ def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, run_p
     again = run_stage.run(config)  # nothing changed: everything skipped
     assert set(statuses(again).values()) == {"skipped"}
 
-    changed = run_stage.run(dataclasses.replace(config, bench=dataclasses.replace(config.bench, max_new_tokens=6)))
+    changed_config = dataclasses.replace(config, bench=dataclasses.replace(config.bench, max_new_tokens=6))
+    changed = run_stage.run(changed_config)
     ran = {name for name, status in statuses(changed).items() if status == "ran"}
     assert ran == {"bench"}  # export reads train, not bench: it is kept
     assert (out / "bench.old" / "bench.json").is_file()
+
+    # another export into the run's vLLM export folder: refused, then (overwrite=true) noticed by the next run
+    from eaglekit.manifest import read_manifest
+    from eaglekit.stages import export
+
+    vllm_dir = out / "export" / "vllm"
+    again_vllm = export.Config(drafter=str(out / "train"), to="vllm", output=str(vllm_dir))
+    export.run(again_vllm)  # the same drafter, format and options: allowed
+    sglang_into_vllm = dataclasses.replace(again_vllm, to="sglang")
+    with pytest.raises(EaglekitError, match=rf"output {vllm_dir} holds another export \(the vllm export of "
+                                            rf"{out / 'train'}, other format\): choose a new output directory, or "
+                                            r"pass overwrite=true to replace it"):
+        export.run(sglang_into_vllm)
+    assert read_manifest(vllm_dir)["summary"]["format"] == "vllm"
+    export.run(dataclasses.replace(sglang_into_vllm, overwrite=True))
+    with pytest.raises(EaglekitError, match=rf"export-vllm: {vllm_dir} was written again by `eaglekit export` at "
+                                            r".* after this run finished it \(its manifest.json changed\): move that "
+                                            r"folder elsewhere \(or delete it\) and re-run"):
+        run_stage.run(changed_config)
+    vllm_dir.rename(tmp_path / "my-sglang-export")
+    assert {n for n, s in statuses(run_stage.run(changed_config)).items() if s == "ran"} == {"export-vllm"}
+    assert read_manifest(vllm_dir)["summary"]["format"] == "vllm"
 
 
 def test_online_plan_skips_extract_and_trains_on_regenerated_data(chat_target, run_prompts, tmp_path):

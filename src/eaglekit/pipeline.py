@@ -6,8 +6,9 @@ the step before it), so a changed option or input re-runs that step and every st
 
 - `<dir>/.run-key` is written when the step starts; a step whose folder holds the same key is
   resumed in place (stages resume their own partial work: regen, extract and train do).
-- `<dir>/.run-done` is written when the step finished; same key there (and the step's `outputs`
-  still present) -> the step is skipped.
+- `<dir>/.run-done` is written when the step finished, with the digest of the step's manifest.json; same key
+  there (and the step's `outputs` still present) -> the step is skipped, unless another command has written
+  into the folder since (its manifest changed): that is refused with the reason, never taken for the run's.
 - A folder holding another key is moved aside to `<dir>.old` (replacing any earlier one) before the
   step runs again, so finished work is never silently mixed with work from other options.
 """
@@ -122,6 +123,27 @@ def _move_aside(step: Step) -> None:
     step.directory.rename(aside)
 
 
+def _manifest_digest(directory: Path) -> str | None:
+    """The digest of a step's manifest.json, which every stage writes last: a command run into the folder later
+    rewrites it."""
+    path = directory / "manifest.json"
+    return file_sha256(path) if path.is_file() else None
+
+
+def _check_unchanged(step: Step, marker: dict[str, Any]) -> None:
+    """A finished step's folder must still hold what the run wrote there: one that a stage run by hand has written
+    into since (an export of another drafter or format, ...) is refused with the reason, never skipped as the run's."""
+    if "manifest_sha256" not in marker or _manifest_digest(step.directory) == marker["manifest_sha256"]:
+        return
+    from eaglekit.manifest import read_manifest
+
+    written = read_manifest(step.directory) or {}
+    by = f" by `eaglekit {written['stage']}` at {written.get('finished_at')}" if written.get("stage") else ""
+    raise EaglekitError(f"{step.name}: {step.directory} was written again{by} after this run finished it (its "
+                        "manifest.json changed): move that folder elsewhere (or delete it) and re-run; the run then "
+                        "writes it again")
+
+
 def run_steps(steps: list[Step]) -> list[StepRecord]:
     """Run `steps` in order, skipping finished unchanged ones. Returns what happened to each."""
     records: list[StepRecord] = []
@@ -139,6 +161,7 @@ def run_steps(steps: list[Step]) -> list[StepRecord]:
         complete = all((step.directory / name).exists() for name in step.outputs)
         marker = _read_marker(done)
         if marker.get("key") == key and complete:
+            _check_unchanged(step, marker)
             log.info("%s: finished earlier with the same options, skipped", step.name)
             records.append(StepRecord(step.name, "skipped", float(marker.get("seconds", 0.0)), key, step.directory,
                                       peak_gpu_bytes=marker.get("peak_gpu_bytes")))
@@ -154,6 +177,7 @@ def run_steps(steps: list[Step]) -> list[StepRecord]:
         result = step.execute(config)
         seconds = time.perf_counter() - start
         peak = _gpu_peak(reset=True)  # a stage under torchrun runs in other processes: not seen here
-        atomic_write_json(done, {"key": key, "seconds": seconds, "peak_gpu_bytes": peak})
+        atomic_write_json(done, {"key": key, "seconds": seconds, "peak_gpu_bytes": peak,
+                                 "manifest_sha256": _manifest_digest(step.directory)})
         records.append(StepRecord(step.name, "ran", seconds, key, step.directory, result, peak))
     return records

@@ -8,7 +8,8 @@ The exporter refuses drafters the engine would load with different behaviour (mi
 SGLang export of a norm_before_residual drafter, ...), converts the aux layer ids to the engine's
 convention (vLLM: input of layer, as eaglekit; SGLang: output of layer = ours - 1) and writes them
 where that engine reads them. The written checkpoint is re-read and its logits on a probe input
-compared with the source drafter before the command reports success (`manifest.json` written last).
+compared with the source drafter before the command reports success (`manifest.json` written last). A folder
+that holds another export (another format, drafter or options) is replaced only with overwrite=true.
 """
 
 from __future__ import annotations
@@ -36,7 +37,34 @@ class Config:
     dtype: str = option("keep", "weight dtype of the written checkpoint", choices=DTYPES)
     include_embedding: bool = option(True, "write embed_tokens.weight (off: the engine shares the target's embedding)")
     speculative_tokens: int = option(3, "speculators only: speculative_tokens of the greedy proposal method")
-    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by export")
+    overwrite: bool = option(False, "write into an output directory that is not empty and was not written by export, "
+                                    "or that holds another export (another format, drafter or options)")
+
+
+def _made_from(config: Config, source: Path) -> dict[str, Any]:
+    """What an export is of: format, drafter (folder and weights) and the options that change the files written."""
+    from eaglekit.manifest import file_sha256
+
+    weights = source / "model.safetensors"
+    return {"format": config.to, "drafter": str(source.resolve()),
+            "drafter_sha256": file_sha256(weights) if weights.is_file() else None, "dtype": config.dtype,
+            "include_embedding": config.include_embedding, "speculative_tokens": config.speculative_tokens}
+
+
+def _check_replacing(output: Path, made_from: dict[str, Any], overwrite: bool) -> None:
+    """A folder holding another finished export (another format, drafter or options) is replaced only with
+    overwrite=true; exporting the same drafter the same way again is allowed."""
+    from eaglekit.manifest import read_manifest
+
+    previous = read_manifest(output) if output.is_dir() else None
+    if overwrite or not previous or previous.get("stage") != "export" or previous.get("made_from") == made_from:
+        return
+    before = previous.get("made_from")
+    differs = f", other {', '.join(k for k in made_from if before.get(k) != made_from[k])}" if before else ""
+    raise EaglekitError(
+        f"output {output} holds another export (the {previous.get('summary', {}).get('format', '?')} export of "
+        f"{previous.get('source', '?')}{differs}): choose a new output directory, or pass overwrite=true to replace it"
+    )
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -53,6 +81,8 @@ def run(config: Config) -> dict[str, Any]:
     if output.resolve() == source.resolve():
         raise EaglekitError("output must differ from the drafter directory; pass output=<new dir>")
     drafter = Eagle3Drafter.from_pretrained(source)
+    made_from = _made_from(config, source)
+    _check_replacing(output, made_from, config.overwrite)
     claim_output(output, "export", config.overwrite)
     (output / "manifest.json").unlink(missing_ok=True)  # its presence means "finished": not while files change
     dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
@@ -69,7 +99,8 @@ def run(config: Config) -> dict[str, Any]:
         write_manifest(
             output,
             "export",
-            {"source": str(source), "summary": summary, "weights_sha256": file_sha256(output / "model.safetensors")},
+            {"source": str(source), "made_from": made_from, "summary": summary,
+             "weights_sha256": file_sha256(output / "model.safetensors")},
         )
     log.info(
         "wrote %s checkpoint to %s (aux ids as written: %s; probe logits max diff %.3g)",
