@@ -439,3 +439,15 @@ def test_vllm_serving_check_finds_the_embedding_the_proposer_looks_up_and_fix_al
     fixed = vllm(neox_config, tree, plugins=(str(tmp_path / "plugins"),))
     assert fixed["verdict"] == "supported", fixed["reasons"]
     assert fixed["serving"]["embedding"]["provided_by"].startswith("Eagle3HubBackedForCausalLM.__init__")
+
+
+def test_doctor_takes_a_hub_id_and_says_in_one_line_when_it_cannot_be_had(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["doctor", "--engine", "vllm", "--target", "some-org/not-downloaded", "--engine_source",
+                 str(VLLM_TREE)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert code == 1 and len(lines) == 1, lines
+    assert "some-org/not-downloaded is no local directory and not in the Hugging Face cache" in lines[0]
+    assert "unset HF_HUB_OFFLINE" in lines[0] and "--target LlamaForCausalLM" in lines[0]
+    with pytest.raises(EaglekitError, match="registry has no architecture 'LlamaForCausalLM'"):
+        vllm("tiny")  # the built-in target's config.json is read (the synthetic vLLM has no Llama)

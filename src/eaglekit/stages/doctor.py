@@ -1,6 +1,7 @@
 """Diagnose a target: can vLLM/SGLang run EAGLE-3 for it (read from the engine's source), or what eaglekit sees in it.
 
     eaglekit doctor --engine vllm --target path/to/model            # or config.json, or LlamaForCausalLM
+    eaglekit doctor --engine vllm --target meta-llama/Llama-3.1-8B-Instruct   # a hub id: its config.json
     eaglekit doctor --engine sglang --target config.json --engine_source sglang-0.5.23-...whl --json
     eaglekit doctor --engine vllm --target config.json --fix fix_output=plugins/   # write a delegation plugin
     eaglekit doctor --engine vllm --target config.json --plugins plugins/          # re-check with that plugin
@@ -8,7 +9,9 @@
 
 With `--engine`, the engine is never imported: its source is read from the installed package, a
 source checkout or a wheel (`engine_source`), and the verdict (supported / not supported / unknown)
-names the file, class and methods to change, and the aux layers the engine uses by default.
+names the file, class and methods to change, and the aux layers the engine uses by default. For vLLM it
+also checks what the EAGLE proposer reads of the target when it loads a drafter (its embedding), which a class
+with the EAGLE-3 interface can still fail; `--fix` writes a plugin where one can help.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ POSITIONAL = ("target",)
 
 @dataclass(frozen=True)
 class Config:
-    target: str = option("",
-                         "config.json, model directory or architecture name (without --engine: a model eaglekit loads)")
+    target: str = option("", "config.json, model directory, hub id, 'tiny' or architecture name (without --engine: "
+                             "a model eaglekit loads)")
     engine: str = option("", "serving engine whose source to check (empty: eaglekit's own target report)",
                          choices=("", "vllm", "sglang"))
     engine_source: str = option("",
@@ -37,7 +40,8 @@ class Config:
     plugins: tuple[str, ...] = option((), "vLLM plugin project directories to honour (installed plugins are read too)")
     installed_plugins: bool = option(True, "also read installed vllm.general_plugins entry points (those beside the "
                                            "vLLM read, else this environment's)")
-    fix: bool = option(False, "vLLM: write an out-of-tree plugin that adds EAGLE-3 delegation to a wrapper class")
+    fix: bool = option(False, "vLLM: write an out-of-tree plugin that adds EAGLE-3 delegation to a wrapper class, or "
+                              "exposes the target's embedding where vLLM's EAGLE proposer looks it up")
     fix_output: str = option("eaglekit-plugins", "directory the --fix plugin package is written under")
     overwrite: bool = option(False, "--fix: write the plugin's project folder even where something other than an "
                                     "earlier --fix wrote it")
@@ -58,8 +62,8 @@ def _target_report(config: Config) -> dict[str, Any]:
 
 def run(config: Config) -> dict[str, Any]:
     if not config.target:
-        raise EaglekitError("no target given: eaglekit doctor --target <config.json | model dir | architecture> "
-                            "[--engine vllm|sglang]")
+        raise EaglekitError("no target given: eaglekit doctor --target <config.json | model dir | hub id | "
+                            "architecture> [--engine vllm|sglang]")
     if not config.engine:
         if config.fix:
             raise EaglekitError("--fix needs --engine vllm")
