@@ -162,3 +162,32 @@ def test_served_by_vllm_says_whether_the_drafter_kept_vllms_output(tmp_path):
             "samples x 5 positions; a lossless engine passes unless p < 0.001): its speculative sampling is not "
             "lossless here") in section
     assert "| vllm_eagle3 | 1 | 20.0 | 1.00 | 0.44x vs vllm_plain |" in text
+
+
+def _figures_saved(monkeypatch) -> list:
+    from matplotlib.figure import Figure
+
+    saved = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *args, **kwargs: (saved.append(fig), real(fig, *args, **kwargs)))
+    return saved
+
+
+def test_plots_show_whole_positions_and_a_failed_bench_draws_no_blank_chart(tmp_path, monkeypatch):
+    from eaglekit.report import plot_training
+    from eaglekit.stages.bench import _plot
+
+    saved = _figures_saved(monkeypatch)
+    ok = {"method": "chain", "temperature": 0.0, "tau": 1.8, "tokens_per_second": 50.0,
+          "acceptance_per_position": [0.7, 0.5, 0.3]}
+    failed = {"method": "tree", "temperature": 0.0, "error": "out of memory"}
+    png = tmp_path / "bench.png"
+    _plot([ok, failed], png)
+    assert png.is_file() and "failed, not shown: tree T=0" in saved[-1]._suptitle.get_text()
+    ticks = [t for t in saved[-1].axes[0].get_xticks() if 1 <= t <= 3]
+    assert ticks == [1, 2, 3]  # not 1.0, 1.25, 1.5, ...
+    _plot([failed], png)  # nothing measured: no chart, and the earlier one is not left as this bench's
+    assert not png.exists() and len(saved) == 1
+    metrics = {"train": [{"step": s, "loss": 3.0 - s / 4, "acc_k": [0.1 * s]} for s in (1, 2, 3)], "val": []}
+    assert plot_training(metrics, tmp_path / "training.png")
+    assert all(float(t).is_integer() for axis in saved[-1].axes for t in axis.get_xticks())

@@ -306,9 +306,11 @@ def test_a_full_disk_in_regen_keeps_finished_records(chat_target, tmp_path, monk
 def test_train_logs_progress_and_max_steps_wins_over_epochs(chat_target, data, tmp_path, capsys):
     code, stderr = cli("train", f"target={chat_target}", f"data={data}", "output=t", "max_steps=7", "epochs=1",
                        "batch_size=4", "val_fraction=0.2", "log_every=2", "ttt_steps=1", "draft_vocab_size=64",
-                       "max_length=64", cwd=tmp_path)
+                       "max_length=64", "resume=true", cwd=tmp_path)
     assert code == 0, stderr
     assert "max_steps=7 decides (epochs=1 is ignored)" in stderr
+    assert "the validation split holds 2 record(s) (val_fraction=0.2 of 12)" in stderr  # figures of 2 records: noise
+    assert "resume=true but" not in stderr  # a fresh run has nothing to resume: nothing to say
     assert "step 2/7 (epoch 1)" in stderr and "acc@1" in stderr and "tokens/s, ETA" in stderr
     assert json.loads((tmp_path / "t" / "manifest.json").read_text())["steps"] == 7
     line = in_process(capsys, "train", f"target={chat_target}", f"data={data}", "output=x", "aux_layers=1,2,3")

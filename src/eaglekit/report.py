@@ -277,7 +277,10 @@ def plot_training(metrics: dict[str, list[dict[str, Any]]], path: Path) -> bool:
                        label=f"position {k + 1}")
     right.set(xlabel="optimizer step", ylabel="top-1 accuracy (train: thin lines)",
               title="accuracy per TTT position (dots: validation)", ylim=(0, 1.02))
-    right.legend(fontsize=7, ncol=2)
+    if val:  # the labelled lines
+        right.legend(fontsize=7, ncol=2)
+    for axis in (left, right):
+        axis.xaxis.get_major_locator().set_params(integer=True)  # optimizer steps are whole numbers
     fig.tight_layout()
     _save(fig, path)
     return True

@@ -33,6 +33,7 @@ from eaglekit.errors import EaglekitError
 from eaglekit.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
+MIN_VALIDATION_RECORDS = 20  # fewer: a warning that the validation figures are noise
 # options that change neither the data order nor the math: a run may resume with other values
 RESUME_IGNORED = ("resume", "overwrite", "log_every", "val_every", "save_every", "keep_checkpoints", "compile",
                   "device", "device_map",
@@ -131,6 +132,10 @@ class Trainer:
         self.amp = _amp_dtype(config.dtype, d.device)
         self.pad_to = pad_multiple(config.pad_to_multiple, d.device)
         self.train_idx, self.val_idx = split_indices(len(source), config.val_fraction, config.split_seed)
+        if d.main and config.val_fraction > 0 and len(self.val_idx) < MIN_VALIDATION_RECORDS:
+            log.warning("the validation split holds %d record(s) (val_fraction=%g of %d): its loss, accuracy and tau "
+                        "swing with which records it drew; add data or raise val_fraction (%d records or more)",
+                        len(self.val_idx), config.val_fraction, len(source), MIN_VALIDATION_RECORDS)
         self.micro_batches = len(epoch_batches(self.train_idx, source.lengths, config.batch_size, d.world, config.seed,
                                                0))
         if self.micro_batches == 0:
@@ -187,8 +192,9 @@ class Trainer:
         if not self.config.resume:
             return None
         path = ckpt.latest_checkpoint(self.checkpoints)
-        if path is None:
-            log.warning("resume=true but %s holds no checkpoint: starting from the beginning", self.checkpoints)
+        if path is None and self.checkpoints.is_dir() and any(self.checkpoints.iterdir()):  # not a fresh run's
+            log.warning("resume=true but %s holds no complete checkpoint: starting from the beginning",
+                        self.checkpoints)
         return path
 
     def _restore(self, path: Path) -> None:

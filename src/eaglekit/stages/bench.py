@@ -169,7 +169,14 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     from eaglekit.manifest import atomic_path
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    failed = [f"{r['method']} T={r['temperature']:g}" for r in rows if "error" in r]
     rows = [r for r in rows if "error" not in r]
+    if not rows:  # every method failed: no blank chart (bench.md and the error line name the failures)
+        plt.close(fig)
+        path.unlink(missing_ok=True)
+        return
+    if failed:
+        fig.suptitle(f"failed, not shown: {', '.join(failed)} (see bench.md)", color="tab:red", fontsize=9)
     for row in rows:
         if "acceptance_per_position" in row:
             rates = row["acceptance_per_position"]
@@ -177,6 +184,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
                       label=f"{row['method']} T={row['temperature']:g} (tau {row['tau']:.2f})")
     left.set(xlabel="draft position", ylabel="accepted fraction of steps", title="acceptance per position",
              ylim=(0, 1.05))
+    left.xaxis.get_major_locator().set_params(integer=True)  # positions are whole numbers
     left.legend(fontsize=8)
     labels = [f"{r['method']}\nT={r['temperature']:g}" for r in rows]
     right.bar(range(len(rows)), [r["tokens_per_second"] or 0 for r in rows], color="tab:blue")
