@@ -11,7 +11,11 @@ Drafter backend: extend(aux (T, 3H_t), next_ids (T,), positions (T,)) -> (hidden
 
 Tree verification in one HF forward: transformers 5 returns a 4D `attention_mask` unchanged
 (`masking_utils._preprocess_mask_arguments`), so we pass a float mask (0 = attend, dtype min = not)
-of shape (1, 1, T, past + T), which SDPA and eager attention both add to the scores.
+of shape (1, 1, T, past + T), which SDPA and eager attention both add to the scores. Sliding-window layers
+(`windows.py`) get that mask limited to their window: one mask when every layer has the same window, else a dict
+by layer kind ("full_attention", "sliding_attention"), which the models that mix them take as it is; their cache
+keeps every key. A target with layers of another kind (chunked, linear attention, ...) decodes plain only, on
+its own cache and masks.
 """
 
 from __future__ import annotations
@@ -20,14 +24,20 @@ import inspect
 
 import torch
 
+from eaglekit.decode.windows import (
+    FULL, SLIDING, check_speculative, model_windows, unsupported_kinds, window_mask,
+)
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import HiddenStateCapture
+from eaglekit.target.capture import HiddenStateCapture, find_decoder
 
 
-def make_hf_cache(model: torch.nn.Module):
-    """A fresh `DynamicCache` for `model` (config-aware where this transformers version allows)."""
+def make_hf_cache(model: torch.nn.Module | None):
+    """A fresh `DynamicCache` for `model` (config-aware where this transformers version allows); for None, one
+    whose every layer keeps all its keys."""
     from transformers import DynamicCache
 
+    if model is None:
+        return DynamicCache()
     try:
         return DynamicCache(config=model.config)
     except TypeError:
@@ -63,7 +73,19 @@ class HFTarget:
     def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...] | None):
         self.model = model
         self.aux_layers = aux_layers
-        self.cache = make_hf_cache(model)
+        # the model's own masks and cache (plain decoding only) where some layer is neither full nor sliding
+        self.native = bool(unsupported_kinds(model.config))
+        if self.native and aux_layers is not None:  # aux states are asked for speculative decoding only
+            check_speculative(model.config, getattr(model.config, "_name_or_path", "") or "the target")
+        windows = () if self.native else model_windows(model, find_decoder(model).layers)
+        sliding = {w for w in windows if w is not None}
+        if len(sliding) > 1:
+            raise EaglekitError(f"layers with different sliding windows {sorted(sliding)}: transformers builds one "
+                                "sliding mask per model; decode it with method=plain")
+        self.window = sliding.pop() if sliding else None
+        self.mixed = self.window is not None and None in windows  # full and sliding layers: a mask per kind
+        # a sliding layer's cache keeps every key here (the window is in the mask), so it compacts like a full one
+        self.cache = make_hf_cache(model) if self.window is None else make_hf_cache(None)
         self.length = 0  # tokens in the cache
         self.last_length = 0  # tokens the last forward added
         self.dtype = next(model.parameters()).dtype
@@ -75,9 +97,7 @@ class HFTarget:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, last_only: bool = False):
         """-> logits (T, V) of the new tokens (with `last_only`, (1, V): the last one's), aux states (T, 3H) or None."""
-        prefix = torch.ones(ids.shape[0], self.length, dtype=torch.bool, device=ids.device)
-        full = additive_mask(torch.cat([prefix, mask], dim=1), self.dtype)  # (1, 1, T, S+T)
-        kwargs = dict(input_ids=ids[None], position_ids=positions[None], attention_mask=full,
+        kwargs = dict(input_ids=ids[None], position_ids=positions[None], attention_mask=self._mask(positions, mask),
                       use_cache=True, **{self.cache_kwarg: self.cache})
         if last_only and self.keeps_logits:
             kwargs["logits_to_keep"] = 1
@@ -91,7 +111,23 @@ class HFTarget:
         self.last_length = ids.shape[0]
         return (logits[-1:] if last_only else logits), aux
 
+    def _mask(self, positions: torch.Tensor, mask: torch.Tensor):
+        """The attention mask of new tokens at `positions` (T,) that see each other by `mask` (T, T): (1, 1, T, S+T)
+        additive over the cache and them, a dict of such by layer kind, or None (the model's own causal masks)."""
+        if self.native:
+            assert bool(mask.tril().eq(mask).all()) and bool(mask.diagonal().all()), "native masks are causal only"
+            return None
+        prefix = torch.ones(mask.shape[0], self.length, dtype=torch.bool, device=mask.device)
+        full = torch.cat([prefix, mask], dim=1)  # (T, S+T)
+        if self.window is None:
+            return additive_mask(full, self.dtype)
+        keys = torch.cat([torch.arange(self.length, device=mask.device), positions])  # cache slot i holds position i
+        sliding = additive_mask(window_mask(full, positions, keys, self.window), self.dtype)
+        return {FULL: additive_mask(full, self.dtype), SLIDING: sliding} if self.mixed else sliding
+
     def keep(self, nodes: torch.Tensor) -> None:
+        if self.native:
+            raise EaglekitError("this target decodes with method=plain only (see `eaglekit.decode.windows`)")
         base = self.length - self.last_length
         keep = torch.cat([torch.arange(base, device=self.device), base + nodes])
         compact_hf_cache(self.cache, keep)

@@ -4,7 +4,8 @@ gpt-fast style: K/V buffers of fixed capacity written with `index_copy_` at expl
 a boolean mask over the whole buffer (True = attend), RoPE tables precomputed once. The target
 forward reuses the loaded HF model's own modules (q/k/v/o projections, optional q_norm/k_norm,
 norms, MLP, embedding, lm_head), so no weights are copied and Llama, Mistral, Qwen2 (qkv bias) and
-Qwen3 (q/k norm) all run through it; anything else (MoE, MLA, sliding windows) uses the eager
+Qwen3 (q/k norm) all run through it, sliding-window layers included (each layer's window applied to the
+positions of the tokens in the cache slots, `windows.py`); anything else (MoE, MLA, Gemma) uses the eager
 backend. With `compile=True` the fixed-shape work runs under `torch.compile(mode="reduce-overhead")`
 (CUDA graphs on GPU): the target's plain step, and every speculative step as one graph (`fused.py`:
 draft, verify, verification, KV compaction and the drafter's extend). The two prefills (a new length for
@@ -22,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eaglekit.decode import graphs
+from eaglekit.decode.windows import model_windows, unsupported_kinds, window_mask
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import find_decoder, text_config
 
@@ -110,6 +112,17 @@ def _fuse_layer_weights(layer: nn.Module) -> bool:
     return True
 
 
+def check_static_target(config) -> None:
+    """Refuse, from its config alone, a target the static fast path does not cover (the reason and the fix)."""
+    config = text_config(config)
+    if config.model_type not in STATIC_MODEL_TYPES:
+        raise EaglekitError(f"the static fast path covers {', '.join(STATIC_MODEL_TYPES)} targets, not "
+                            f"'{config.model_type}'; use backend=eager")
+    if unsupported_kinds(config):
+        raise EaglekitError(f"{', '.join(unsupported_kinds(config))} layers are not covered by the static fast "
+                            "path; use backend=eager")
+
+
 class StaticLlama(nn.Module):
     """A static-KV-cache forward over a loaded HF Llama-family model's modules (weights shared)."""
 
@@ -118,18 +131,14 @@ class StaticLlama(nn.Module):
         super().__init__()
         stack = find_decoder(model)
         config = text_config(model.config)
-        if config.model_type not in STATIC_MODEL_TYPES:
-            raise EaglekitError(f"the static fast path covers {', '.join(STATIC_MODEL_TYPES)} targets, not "
-                                f"'{config.model_type}'; use backend=eager")
+        check_static_target(config)
         for layer in stack.layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if attn is None or not all(hasattr(attn, n) for n in _NEEDED) or not hasattr(mlp, "gate_proj"):
                 raise EaglekitError(f"{type(model).__name__} is not a Llama-family dense model (attention with "
                                     "q/k/v/o_proj and a gated MLP); use backend=eager")
-        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        if window is not None and window < capacity:
-            raise EaglekitError(f"sliding-window attention ({window}) is not supported by the static fast "
-                                "path; use backend=eager")
+        # per layer: its sliding window (None = full attention); windows at least the cache's length change nothing
+        self.windows = tuple(None if w is None or w >= capacity else w for w in model_windows(model, stack.layers))
         param = next(model.parameters())
         self.layers, self.norm = stack.layers, stack.norm
         self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -144,6 +153,9 @@ class StaticLlama(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         # a buffer per layer for keys and one for values, written in place with index_copy_: a write through a
         # view of one all-layer buffer made inductor copy that whole buffer for every layer
+        # the position of the token in each cache slot (sliding windows count positions, not slots)
+        self.register_buffer("slot_positions", torch.zeros(capacity, dtype=torch.long, device=param.device),
+                             persistent=False)
         shape = (1, self.num_kv_heads, capacity, self.head_dim)  # (1, nkv, S, D)
         for i in range(len(self.layers)):
             for kind in ("k", "v"):
@@ -159,6 +171,7 @@ class StaticLlama(nn.Module):
         for i in range(len(self.layers)):
             for cache in self.caches(i):
                 _compact(cache, 2, base, nodes)
+        _compact(self.slot_positions, 0, base, nodes)
 
     def _qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (1, T, nh*D), k and v (1, T, nkv*D): one GEMM over the fused weight, else the three projections."""
@@ -207,15 +220,27 @@ class StaticLlama(nn.Module):
         only for `rows` (decoding asks for the prompt's last token, the one it goes on from)."""
         return self._forward(ids, positions, slots, mask, fixed_shape=False, rows=rows)
 
+    def _layer_masks(self, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> dict:
+        """{window: (1, 1, T, capacity) mask} for every window of the layers (None: `mask` as given); records the
+        new tokens' positions in their slots first."""
+        masks = {None: mask}
+        if any(w is not None for w in self.windows):
+            self.slot_positions.index_copy_(0, slots, positions)
+            for window in set(self.windows) - {None}:
+                masks[window] = window_mask(mask[0, 0], positions, self.slot_positions, window)[None, None]
+        return masks
+
     def _forward(self, ids, positions, slots, mask, fixed_shape: bool, rows: torch.Tensor | None = None):
         x = self.embed(ids[None])  # (1, T, H)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # (1, T, D)
+        masks = self._layer_masks(positions, slots, mask)
         states = {}
         wanted = set(self.aux_layers or ())
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 states[i] = x
-            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, slots, mask, fixed_shape)
+            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, slots, masks[self.windows[i]],
+                                    fixed_shape)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         if len(self.layers) in wanted:
             states[len(self.layers)] = x
