@@ -20,6 +20,7 @@ import pytest
 import engines
 from eaglekit.config import load_config
 from eaglekit.interop import vllm_engine as ve
+from eaglekit.interop.engine_doctor import vllm_serving_note
 from eaglekit.stages import doctor
 
 pytestmark = pytest.mark.engine
@@ -115,6 +116,8 @@ def test_doctor_verdict_matches_vllm_serving_each_family(engine, source, setup):
     neox = verdicts["gpt_neox"]
     assert neox["serving"]["embedding"]["embedding_attribute"] == "embed_in" and neox["plugin_fix_possible"]
     assert "does not have 'embed_tokens' or 'embedding'" in served["gpt_neox"]["error"]
+    assert "--fix" in vllm_serving_note(setup["targets"]["gpt_neox"])  # what `export --to vllm` warns with
+    assert vllm_serving_note(setup["targets"]["phi"]) is None
 
 
 def test_doctor_fix_plugin_makes_vllm_serve_gpt_neox(engine, source, setup, tmp_path):

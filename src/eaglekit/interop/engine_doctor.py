@@ -16,8 +16,10 @@ The facts are read by `engine_facts`, checked per engine by `engine_checks`; thi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from eaglekit.errors import EaglekitError
 from eaglekit.interop.engine_checks import check_sglang, check_vllm
 from eaglekit.interop.engine_facts import read_target
 from eaglekit.interop.engine_source import EngineSource
@@ -45,6 +47,25 @@ def diagnose(engine: str, target: str, engine_source: str = "", plugins: tuple[s
     _convert_defaults(report)
     report["explicit_aux_ids_read_by"] = explicit_id_readers(engine, source)
     return report
+
+
+def vllm_serving_note(target: str, architecture: str = "") -> str | None:
+    """For `export --to vllm`: one line when the vLLM this environment reads (installed, else .venv-vllm) would not
+    serve a drafter for `target` (its folder, else its architecture name), with the doctor's fix; None when it
+    would, or when there is no vLLM or no target to read."""
+    report = None
+    local = target == "tiny" or Path(target).expanduser().exists()  # a hub id is not looked up on the network here
+    for candidate in (target if local else "", architecture):
+        try:
+            report = diagnose("vllm", candidate, installed_plugins=True) if candidate else None
+        except EaglekitError:
+            continue
+        if report is not None:
+            break
+    if report is None or report["verdict"] == "supported":
+        return None
+    return (f"vLLM {report['engine_version']} would not serve this drafter for {report['target']['architecture']}: "
+            f"{report['reasons'][-1]}; {report['fix'][-1] if report['fix'] else 'see eaglekit doctor --engine vllm'}")
 
 
 # Where an engine's runtime (not its models) would read a drafter's explicit aux ids.

@@ -113,4 +113,10 @@ def run(config: Config) -> dict[str, Any]:
         f"exported {source} -> {output} ({config.to}); aux layer ids written: {summary['config_aux_layer_ids']} "
         f"(input-of-layer: {summary['aux_layer_ids_input_of_layer']}); re-import matched the source logits"
     )
+    if config.to == "vllm":  # what vLLM checks of the target when it loads the drafter, where this vLLM can be read
+        from eaglekit.interop.engine_doctor import vllm_serving_note
+
+        note = vllm_serving_note(drafter.config.target_name_or_path, drafter.config.target_architecture)
+        if note:
+            log.warning("%s", note)
     return summary
