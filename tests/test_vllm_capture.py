@@ -224,3 +224,20 @@ def test_kimi_vl_wrapper_captured_with_the_doctor_plugin_equals_hf(tmp_path, mon
     run_extract(tmp_path / "hf", str(language_model), "model_dtype=bf16", limit=6)
     assert_same_store(tmp_path / "hf", tmp_path / "vllm", cosine=0.99)
     assert json.loads((tmp_path / "vllm" / "manifest.json").read_text())["stats"]["engine_layer_ids"] == [1, 2, 3, 4]
+
+
+def test_run_capture_vllm_sets_the_extract_backend_and_the_report_names_it(tmp_path):
+    from eaglekit.report import _section_data
+    from eaglekit.stages import run
+
+    config = load_config(run.Config, None, ["target=tiny", "data=tiny", f"out={tmp_path}", "capture=vllm",
+                                            "stages=extract,vocab,train"])
+    step = next(s for s in run.plan(config) if s.name == "extract")
+    assert step.make_config().backend == "vllm"
+    with pytest.raises(EaglekitError, match="use extract_processes=1"):
+        run.plan(load_config(run.Config, None, ["target=tiny", "data=tiny", f"out={tmp_path}", "capture=vllm",
+                                                "extract_processes=2"]))
+    extract_info = {"num_tokens": 10, "loss_tokens": 5, "num_records": 1, "backend": "vllm",
+                    "stats": {"vllm": "0.32.0", "tokens_per_second": 123.45, "tensor_parallel_size": 2}}
+    lines = _section_data({"regen": None, "extract": extract_info, "vocab": None})
+    assert "- hidden states captured by vLLM 0.32.0: 123.5 tokens/s over tensor parallel 2" in lines

@@ -338,6 +338,11 @@ def _section_data(info: dict[str, Any]) -> list[str]:
         lines.append(f"- records: {extract.get('num_records')}; tokens: {tokens}; loss-masked (assistant) tokens: "
                      f"{_fmt(loss_tokens, 'd')} ({share}); truncated records: {stats.get('truncated', 'n/a')}"
                      + (" (counted from the online training data)" if "key" in extract else ""))
+        if "key" not in extract:
+            backend = f"vLLM {stats.get('vllm', '')}".strip() if extract.get("backend") == "vllm" else "Hugging Face"
+            parallel = stats.get("tensor_parallel_size", 1)
+            lines.append(f"- hidden states captured by {backend}: {_fmt(stats.get('tokens_per_second'), '.1f')} "
+                         "tokens/s" + (f" over tensor parallel {parallel}" if parallel > 1 else ""))
     if vocab:
         lines.append(f"- draft vocabulary: {vocab['draft_vocab_size']} of {vocab['vocab_size']} ids "
                      f"({vocab.get('mapping')}); coverage {vocab['coverage']:.2%} of "

@@ -59,6 +59,9 @@ class Config:
                            choices=("offline", "online"))
     export_formats: tuple[str, ...] = option(EXPORT_FORMATS, "checkpoint layouts to export (vllm, sglang, speculators)")
     doctor_engines: tuple[str, ...] = option(ENGINES, "engines the doctor checks the target against (vllm, sglang)")
+    capture: str = option("hf", "who captures the hidden states for extract: hf (the target in eaglekit's process) "
+                                "or vllm (vLLM's extract_hidden_states; extract.tensor_parallel_size etc. apply)",
+                          choices=("hf", "vllm"))
     extract_processes: int = option(1, "> 1: run extract under torchrun with this many processes (one GPU "
                                        "each, data-parallel)")
     train_processes: int = option(1, "> 1: run train under torchrun with this many processes (DDP, or FSDP2 with "
@@ -117,6 +120,9 @@ def _check(config: Config) -> tuple[str, ...]:
                             "(a finished train stage is skipped on re-run, not trained again)")
     if config.extract_processes < 1 or config.train_processes < 1:
         raise EaglekitError("extract_processes and train_processes must be >= 1")
+    if config.extract_processes > 1 and config.capture == "vllm":
+        raise EaglekitError("capture=vllm runs one engine (it shards the target itself: extract.tensor_parallel_size); "
+                            "use extract_processes=1")
     if config.extract_processes > 1 and config.extract.device_map:
         raise EaglekitError("extract.device_map spreads one target over the GPUs of one process: use it "
                             "with extract_processes=1")
@@ -214,6 +220,8 @@ def plan(config: Config) -> list[Step]:
     init_from = (config.train.init_from,) if config.train.init_from and Path(config.train.init_from).exists() else ()
     if "extract" in stages:
         extract = stage_config(config, "extract", data=conversations, output=str(out / "extract"), target=config.target)
+        if config.capture == "vllm":
+            extract = dataclasses.replace(extract, backend="vllm")
         steps.append(Step("extract", out / "extract", lambda: extract,
                           _execute("extract", config.extract_processes, out / "extract"),
                           source, inputs, ("manifest.json",)))
