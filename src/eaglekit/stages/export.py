@@ -1,8 +1,8 @@
 """Export a trained drafter for a serving engine: vLLM, SGLang or speculators layout, verified by re-import.
 
-    eaglekit export runs/train/final --to vllm output=runs/export/vllm
-    eaglekit export runs/train/final --to sglang output=runs/export/sglang dtype=bf16
-    eaglekit export runs/train/final --to speculators output=runs/export/spec
+    eaglekit export runs/drafter --to vllm output=runs/export/vllm
+    eaglekit export runs/drafter --to sglang output=runs/export/sglang dtype=bf16
+    eaglekit export runs/drafter --to speculators output=runs/export/spec
 
 The exporter refuses drafters the engine would load with different behaviour (missing `d2t`, an
 SGLang export of a norm_before_residual drafter, ...), converts the aux layer ids to the engine's
@@ -31,7 +31,7 @@ DTYPES = ("keep", "bf16", "fp16", "fp32")
 
 @dataclass(frozen=True)
 class Config:
-    drafter: str = option("", "eaglekit drafter directory (config.json + model.safetensors), e.g. runs/train/final")
+    drafter: str = option("", "eaglekit drafter directory (config.json + model.safetensors), e.g. runs/drafter")
     to: str = option("vllm", "checkpoint layout to write", choices=EXPORT_FORMATS)
     output: str = option("", "output directory (default: <drafter>-<to>)")
     dtype: str = option("keep", "weight dtype of the written checkpoint", choices=DTYPES)

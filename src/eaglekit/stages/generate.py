@@ -1,6 +1,6 @@
 """Generate text with speculative decoding (EAGLE-3 drafter, chain or tree) and report acceptance.
 
-    eaglekit generate --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/train/final --prompt "Hello"
+    eaglekit generate --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/drafter --prompt "Hello"
     eaglekit generate target=tiny method=plain prompt="def fib(n):"
 
 Prints the completion, then tau (mean tokens per target forward) and acceptance per draft position.
