@@ -282,8 +282,8 @@ class EngineSession:
 
 
 @contextlib.contextmanager
-def engine_session(engine: ve.Engine, job: dict[str, Any], spool: Path, target: str,
-                   env: dict[str, str]) -> Iterator[EngineSession]:
+def engine_session(engine: ve.Engine, job: dict[str, Any], spool: Path, target: str, env: dict[str, str],
+                   log_path: Path) -> Iterator[EngineSession]:
     """The worker started on `job`; stopped by its process group when the block ends (a tensor-parallel engine's own
     shutdown may not end: it is not waited for)."""
     import shutil
@@ -293,7 +293,6 @@ def engine_session(engine: ve.Engine, job: dict[str, Any], spool: Path, target: 
     shutil.rmtree(spool, ignore_errors=True)
     spool.mkdir(parents=True)
     atomic_write_json(spool / "job.json", {**job, "spool": str(spool)})
-    log_path = spool.parent / "vllm-capture.log"
     log_path.unlink(missing_ok=True)
     with ve.started([engine.python, str(WORKER), str(spool / "job.json")], log_path, env) as process:
         session = EngineSession(process, spool, log_path, target)

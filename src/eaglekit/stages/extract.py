@@ -77,6 +77,8 @@ class Config:
     vllm_python: str = option("", "backend=vllm: a Python with vLLM (default: this one if it imports vllm, else "
                                   ".venv-vllm)")
     vllm_version_check: bool = option(True, "backend=vllm: refuse a vLLM other than the tested version")
+    spool_dir: str = option("", "backend=vllm: where vLLM's per-request files wait to be stored (default: inside "
+                                "output; a RAM disk such as /dev/shm saves writing every state twice)")
     vllm_engine_args: str = option("", "backend=vllm: JSON object of extra vllm.LLM arguments, e.g. "
                                        "'{\"gpu_memory_utilization\": 0.9, \"enable_expert_parallel\": true}'")
 
@@ -338,6 +340,17 @@ def _run_vllm(config: Config) -> ExtractResult:
     return ExtractResult(out, stats)
 
 
+def _spool(config: Config, out: Path) -> Path:
+    """This store's spool folder (emptied at the start and deleted at the end of each run)."""
+    import hashlib
+
+    from eaglekit.interop.vllm_capture import SPOOL
+
+    if not config.spool_dir:
+        return out / SPOOL
+    return Path(config.spool_dir) / f".eaglekit-spool-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]}"
+
+
 def _capture(config: Config, engine: Any, options: Any, target_dir: str, layers: Any, norm: Any, layout: Any,
              writer: Any, todo: list[Any], total: int, context: int, regeneration: Any, out: Path,
              done: set[str]) -> Any:
@@ -354,7 +367,8 @@ def _capture(config: Config, engine: Any, options: Any, target_dir: str, layers:
     unit = "rec" if regeneration else "tok"
     try:
         with tqdm(total=total, unit=unit, unit_scale=True, desc="extract (vLLM)", smoothing=0.1) as bar, \
-                vc.engine_session(engine, job, out / vc.SPOOL, config.target, env) as session:
+                vc.engine_session(engine, job, _spool(config, out), config.target, env,
+                                  out / "vllm-capture.log") as session:
             if regeneration is None:
                 counters = vc.capture_records(session, todo, layers, norm, layout, writer, window,
                                               lambda record: bar.update(len(record.input_ids)))
