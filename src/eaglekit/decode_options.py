@@ -10,19 +10,22 @@ from dataclasses import dataclass
 
 from eaglekit.errors import EaglekitError
 
-METHODS = ("tree", "chain", "plain")
+METHODS = ("tree", "chain", "plain", "parallel", "dflash")
+# methods that draft a chain of `chain_length` tokens: EAGLE-3 one forward per token, P-EAGLE (`parallel`) and DFlash
+# all of them in one drafter forward
+CHAIN_METHODS = ("chain", "parallel", "dflash")
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    method: str = "tree"  # tree | chain | plain
+    method: str = "tree"  # tree | chain | plain | parallel (P-EAGLE chain) | dflash
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # sampling filter on the target (and chain drafts); 0 = off
     top_p: float = 1.0
     depth: int = 6  # tree: draft levels
     tree_top_k: int = 8  # tree: children per expanded node, and nodes expanded per level
     total_tokens: int = 48  # tree: draft nodes verified per step (root excluded)
-    chain_length: int = 4  # chain: drafts per step
+    chain_length: int = 4  # chain, parallel, dflash: drafts per step
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0
 
@@ -34,4 +37,4 @@ class DecodeOptions:
 
     @property
     def draft_depth(self) -> int:
-        return self.chain_length if self.method == "chain" else self.depth
+        return self.chain_length if self.method in CHAIN_METHODS else self.depth

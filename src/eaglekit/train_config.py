@@ -12,6 +12,8 @@ from typing import ClassVar
 
 from eaglekit.config import option
 
+DRAFTER_TYPES = ("eagle3", "p-eagle", "dflash")  # `drafter_type=`; saved in each drafter's config.json
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -19,6 +21,11 @@ class TrainConfig:
 
     RENAMED: ClassVar[dict[str, str]] = {"aux_layers": "aux_layer_ids"}  # old key -> new (refused, naming the new)
 
+    drafter_type: str = option("eagle3", "what to train: eagle3 (one token per drafter forward, TTT loss), p-eagle "
+                               "(an EAGLE-3 drafter that drafts ttt_steps tokens in one forward: positions after the "
+                               "first read a learned mask_hidden and a parallel-drafting token; init_from= an eagle3 "
+                               "drafter is the usual recipe), dflash (block diffusion drafter)",
+                               choices=DRAFTER_TYPES)
     target: str = option("", "target model (path, hub id or 'tiny'): config, embedding, lm_head (and the "
                              "model itself online)")
     shards: str = option("", "offline mode: an `extract` output directory")
@@ -55,7 +62,11 @@ class TrainConfig:
     v_head_dim: int = option(0, "drafter_arch=mla: per-head value dims (0 = the MLA target's)")
     aux_layer_ids: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids (as extract's); empty = "
                                             "init_from's, else (2, L//2, L-3), distinct ones under 7 layers")
-    ttt_steps: int = option(7, "training-time-test steps K")
+    mask_token_id: int = option(-1, "p-eagle, dflash: the token id the drafted (mask) positions read; -1 = "
+                                "init_from's, else p-eagle: the target's last vocabulary id, dflash: the tokenizer's "
+                                "mask, else pad, else end-of-sequence token")
+    ttt_steps: int = option(7, "training-time-test steps K (eagle3); drafted positions trained per anchor (p-eagle: "
+                            "the first from the target's states, the rest from mask_hidden; serve k <= this)")
     step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k")
     epochs: int = option(1, "passes over the training split")
     max_steps: int = option(0, "optimizer steps to run, over as many epochs as that takes (0 = `epochs` decides)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from eaglekit.decode.engine import METHODS, DecodeOptions, DecodeStats, GenerateResult, decode_loop
+from eaglekit.decode_options import CHAIN_METHODS
 from eaglekit.errors import EaglekitError
 
 BACKENDS = ("eager", "static")
@@ -61,30 +62,29 @@ class Decoder:
         backend.reset()
         return backend
 
-    def _drafter_backend(self, opts: DecodeOptions):
-        from eaglekit.decode.backends import EagerDrafter
-
-        if not self.static_drafter:
-            return EagerDrafter(self.drafter)
+    def _drafter_backend(self, opts: DecodeOptions, method):
+        if not (self.static_drafter and method.static):
+            return method.eager_backend(self.drafter)
         from eaglekit.decode.static import StaticDrafter
 
-        slots = opts.chain_length if opts.method == "chain" else opts.depth * opts.tree_top_k  # draft slots
+        chain = opts.method in CHAIN_METHODS
+        slots = opts.chain_length if chain else opts.depth * opts.tree_top_k  # draft slots
         if slots not in self._drafters:
             self._drafters[slots] = StaticDrafter(self.drafter, self.max_length, slots, compile=self.compile)
         backend = self._drafters[slots]
         backend.reset()
         return backend
 
-    def _fused_step(self, target_backend, drafter_backend, opts: DecodeOptions, vocab_size: int):
+    def _fused_step(self, target_backend, drafter_backend, opts: DecodeOptions, vocab_size: int, method):
         """The one-function speculative step (`fused.FusedStep`) when target and drafter both run static, else
         None (the step-by-step loop of `engine.decode_loop`). One step object per target, options shape, vocab."""
-        if not self.static_drafter:
+        if not (self.static_drafter and method.static):
             return None
         from eaglekit.decode.fused import FusedStep, fused_shape
 
         key = (id(target_backend), id(drafter_backend), fused_shape(opts), vocab_size)
         if key not in self._fused:
-            self._fused[key] = FusedStep(target_backend, drafter_backend, opts, vocab_size)
+            self._fused[key] = FusedStep(target_backend, drafter_backend, opts, vocab_size, method.grow)
         return self._fused[key]
 
     def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, method: str = "tree",
@@ -102,18 +102,25 @@ class Decoder:
         opts = DecodeOptions(method=method, **options)
         if method != "plain" and self.drafter is None:
             raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
-        width = 0 if method == "plain" else 1 + (opts.chain_length if method == "chain" else opts.total_tokens)
+        speculative = None
+        if method != "plain":
+            from eaglekit.decode.methods import check_method, speculative_method
+
+            check_method(method, self.drafter)
+            speculative = speculative_method(method)
+        width = 0 if method == "plain" else 1 + (opts.chain_length if method in CHAIN_METHODS else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
             raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + "
                                 f"draft nodes ({width}) exceed the static cache ({self.max_length} "
                                 "slots); raise max_length")
         aux_layers = None if method == "plain" else drafter_aux_layers(self.drafter)
         target_backend = self._target_backend(aux_layers)
-        drafter_backend = None if method == "plain" else self._drafter_backend(opts)
-        fused = None if method == "plain" else self._fused_step(target_backend, drafter_backend, opts, self.vocab_size)
+        drafter_backend = None if speculative is None else self._drafter_backend(opts, speculative)
+        fused = (None if speculative is None
+                 else self._fused_step(target_backend, drafter_backend, opts, self.vocab_size, speculative))
         with torch.inference_mode():
             return decode_loop(target_backend, drafter_backend, self.drafter, prompt_ids, max_new_tokens, opts,
-                               self.vocab_size, on_tokens, fused)
+                               self.vocab_size, on_tokens, fused, speculative.grow if speculative else None)
 
 
 def generate(

@@ -33,7 +33,7 @@ from eaglekit.decode.tree import (
     DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier, sample_candidates,
 )
 from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_chain, verify_sampled_tree
-from eaglekit.decode_options import METHODS, DecodeOptions  # noqa: F401 (re-exported: eaglekit.decode.engine's API)
+from eaglekit.decode_options import CHAIN_METHODS, METHODS, DecodeOptions  # noqa: F401 (re-exported: eaglekit.decode.engine's API)
 
 SYNC_EVERY = 16  # plain decoding: steps between host checks for EOS
 
@@ -74,7 +74,7 @@ class GenerateResult:
 def draft_size(options: DecodeOptions) -> int:
     """Nodes one step verifies, root included: the chain, or the `total_tokens` best of the tree's pool (top-k
     children of the root, then top-k children of each of the top-k frontier nodes at every further level)."""
-    if options.method == "chain":
+    if options.method in CHAIN_METHODS:
         return 1 + options.chain_length
     k = options.tree_top_k
     return 1 + min(options.total_tokens, k + (options.depth - 1) * k * k)
@@ -200,9 +200,11 @@ def to_host(value: torch.Tensor) -> Callable[[], int]:
 
 
 def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int], max_new_tokens: int,
-                options: DecodeOptions, vocab_size: int, on_tokens=None, fused=None) -> GenerateResult:
+                options: DecodeOptions, vocab_size: int, on_tokens=None, fused=None, grow=None) -> GenerateResult:
     """Run plain or speculative decoding on prepared backends (see module docstring). `fused`: a
-    `fused.FusedStep` over these backends, which then runs every speculative step after the prefill."""
+    `fused.FusedStep` over these backends, which then runs every speculative step after the prefill. `grow`:
+    the method's draft function (`methods.speculative_method`; default `grow_tree`, EAGLE-3 chains and trees)."""
+    grow = grow or grow_tree
     device = target_backend.device
     generator = torch.Generator(device=device).manual_seed(options.seed)
     stats = DecodeStats(max_drafts=0 if options.method == "plain" else options.draft_depth)
@@ -251,8 +253,8 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
         hidden, draft_logits = prefill_drafter()
         while not done:
             with record_function("eaglekit.draft"):
-                tree, ancestors = grow_tree(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options,
-                                            vocab_size, generator)
+                tree, ancestors = grow(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options,
+                                       vocab_size, generator)
             with record_function("eaglekit.verify_forward"):
                 logits, aux = target_backend.forward(tree.tokens, m + tree.depths, ancestors)
             stats.target_forwards += 1

@@ -74,8 +74,8 @@ class FusedStep:
     """Chains and trees, greedy or sampled, over a `static.StaticTarget` and a `static.StaticDrafter` (module
     docstring). `Decoder` builds one per target backend and options shape (`fused_shape`)."""
 
-    def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int):
-        self.target, self.drafter = target, drafter
+    def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int, grow=grow_tree):
+        self.target, self.drafter, self.grow = target, drafter, grow  # grow: the method's draft function
         net = drafter.net.drafter
         param = net.fc.weight
         self.state = _State(param.shape[0], net.config.draft_vocab_size, param.dtype, param.device)
@@ -102,6 +102,9 @@ class FusedStep:
         if options.method == "chain":
             k = nodes - 1
             return [(1, 1)] * k + [(k,), (1, 1)]
+        if options.method == "parallel":  # all k drafts drawn at once (`parallel.grow_parallel`)
+            k = nodes - 1
+            return [(k, 1), (k,), (1, 1)]
         k = options.tree_top_k
         return [(1, draft_vocab)] + [(k, draft_vocab)] * (options.depth - 1) + [(nodes, k), (nodes, 1)]
 
@@ -111,9 +114,8 @@ class FusedStep:
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
         source = PreDrawn(draws)
-        tree, ancestors = grow_tree(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits,
-                                    state.token,
-                                    m, options, vocab_size, source)
+        tree, ancestors = self.grow(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits,
+                                    state.token, m, options, vocab_size, source)
         n = tree.tokens.shape[0]
         offsets = torch.arange(n, device=m.device)
         mask = tree_mask(target._columns, m, ancestors)[None, None]

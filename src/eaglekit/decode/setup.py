@@ -18,7 +18,7 @@ def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype
     one); a drafter saved without its embedding gets the target's. `target_name` defaults to the loaded path."""
     from pathlib import Path
 
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.draft.build import load_saved_drafter
     from eaglekit.draft.setup import check_drafter_target
     from eaglekit.target.loading import missing_path_error
 
@@ -26,7 +26,7 @@ def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype
         raise missing_path_error(
             path, "drafter", "pass drafter= the directory `eaglekit train` or `eaglekit import` wrote"
         )
-    drafter = Eagle3Drafter.from_pretrained(path, device=device, dtype=dtype).eval()
+    drafter = load_saved_drafter(path, device=device, dtype=dtype).eval()  # the class of its saved drafter_type
     drafter.requires_grad_(False)
     check_drafter_target(
         drafter.config, target.config, path, target_name or getattr(target.config, "_name_or_path", "")

@@ -119,16 +119,62 @@ def load_target_embeddings(name_or_path: str, trust_remote_code: bool = False) -
 DrafterReader = Callable[[str, int], Eagle3Drafter]  # (directory, target's layer count) -> drafter
 
 
+# --- drafter types: what a saved drafter is, and the class that loads it ---------------------------------------
+def saved_drafter_type(directory: str | Path) -> str:
+    """The `drafter_type` an eaglekit drafter directory was saved as ("eagle3", "p-eagle", "dflash"): its
+    config.json's `drafter_type`, or "eagle3" for an eaglekit-eagle3 drafter written before that key existed."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.is_file():
+        raise EaglekitError(f"{directory}: no config.json there; give a drafter directory (`eaglekit train` or "
+                            "`eaglekit import` output)")
+    try:
+        data = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise EaglekitError(f"{config_path} is not valid JSON ({error}); re-run the stage that wrote it") from None
+    if "drafter_type" in data:
+        return str(data["drafter_type"])
+    if data.get("format") == FORMAT:
+        return "eagle3"
+    raise EaglekitError(f"{directory} is not an eaglekit drafter; convert it with `eaglekit import --source "
+                        f"{directory}` first")
+
+
+def drafter_classes() -> dict[str, Any]:
+    """drafter_type -> the class that builds (`cls(config)`), saves (`save_pretrained`) and loads
+    (`cls.from_pretrained(directory, device=, dtype=)`) drafters of that type."""
+    return {"eagle3": Eagle3Drafter, "p-eagle": Eagle3Drafter}
+
+
+def drafter_class(drafter_type: str) -> Any:
+    classes = drafter_classes()
+    if drafter_type not in classes:
+        raise EaglekitError(f"drafter type {drafter_type!r} is not one this eaglekit loads ({', '.join(classes)}); "
+                            "upgrade eaglekit, or re-train the drafter")
+    return classes[drafter_type]
+
+
+def drafter_type_of(drafter: Any) -> str:
+    """The drafter type of a loaded drafter ("eagle3" for a config without the field)."""
+    return str(getattr(drafter.config, "drafter_type", "eagle3"))
+
+
+def load_saved_drafter(directory: str | Path, device: str | torch.device = "cpu",
+                       dtype: torch.dtype | None = None) -> Any:
+    """Any eaglekit drafter directory, loaded by the class of its saved drafter type."""
+    return drafter_class(saved_drafter_type(directory)).from_pretrained(directory, device=device, dtype=dtype)
+
+
 def load_drafter(path: str, target_num_layers: int) -> Eagle3Drafter:
     """An eaglekit drafter (`init_from`); other layouts need a reader that knows them, such as
     `eaglekit.interop.convert.load_drafter`, which `eaglekit train` passes to `prepare_drafter`."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise EaglekitError(f"init_from={path}: no config.json there; give a drafter directory")
-    if json.loads(config_path.read_text()).get("format") != FORMAT:
+    data = json.loads(config_path.read_text())
+    if data.get("format") != FORMAT and "drafter_type" not in data:
         raise EaglekitError(f"init_from={path} is not in eaglekit format; convert it with `eaglekit import` first, or "
                             "train through `eaglekit train`, which reads the EAGLE/SGLang/vLLM/speculators layouts")
-    return Eagle3Drafter.from_pretrained(path)
+    return load_saved_drafter(path)
 
 
 def with_vocab(drafter: Eagle3Drafter, mapping: VocabMapping, seed: int) -> tuple[Eagle3Drafter, int]:
@@ -176,7 +222,25 @@ def prepare_drafter(
     count_tokens_fn: Callable[[], torch.Tensor],
     read_drafter: DrafterReader = load_drafter,  # loads `init_from`
 ) -> tuple[Eagle3Drafter, str]:
-    """The drafter to train and a note on where its vocabulary came from."""
+    """The drafter to train (of `options.drafter_type`) and a note on where its vocabulary came from."""
+    if options.drafter_type not in ("eagle3", "p-eagle"):
+        raise EaglekitError(f"drafter_type={options.drafter_type} is not trained by this eaglekit: use eagle3 or "
+                            "p-eagle")
+    drafter, note = _prepare_eagle3(options, text_config, aux_layers, architecture, count_tokens_fn, read_drafter)
+    kind = drafter.config.drafter_type
+    if options.drafter_type == "p-eagle":
+        from eaglekit.draft.parallel import to_parallel
+
+        return to_parallel(drafter, options.mask_token_id, options.seed), note
+    if kind != options.drafter_type:
+        raise EaglekitError(f"init_from={options.init_from} is a {kind} drafter: pass drafter_type={kind} to "
+                            f"fine-tune it (drafter_type={options.drafter_type} would drop what makes it {kind})")
+    return drafter, note
+
+
+def _prepare_eagle3(options: Any, text_config: Any, aux_layers: tuple[int, ...], architecture: str,
+                    count_tokens_fn: Callable[[], torch.Tensor],
+                    read_drafter: DrafterReader) -> tuple[Eagle3Drafter, str]:
     vocab = load_vocab(options.vocab) if options.vocab else None
     if vocab is not None and vocab.vocab_size != int(text_config.vocab_size):
         raise EaglekitError(f"{options.vocab} covers a vocabulary of {vocab.vocab_size}, the target has "

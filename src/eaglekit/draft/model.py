@@ -81,6 +81,10 @@ class DrafterConfig:
     target_name_or_path: str = ""
     target_architecture: str = ""
     target_num_layers: int = 0
+    # "eagle3", or "p-eagle" (eaglekit.draft.parallel): parallel drafting, a learned `mask_hidden` (1, n_aux*H_target)
+    # and `mask_token_id` (the parallel-drafting token) at every drafted position after the first
+    drafter_type: str = "eagle3"
+    mask_token_id: int = -1
 
     def __post_init__(self) -> None:
         if self.aux_layer_convention not in (INPUT_OF_LAYER, OUTPUT_OF_LAYER):
@@ -93,6 +97,11 @@ class DrafterConfig:
         if self.fc_norm and self.norm_before_fc:
             raise EaglekitError("fc_norm and norm_before_fc are mutually exclusive (one norm per "
                                 "aux chunk, or one over their concatenation): set one of them to false")
+        if self.drafter_type not in ("eagle3", "p-eagle"):
+            raise EaglekitError(f"an EAGLE-3 drafter's drafter_type is eagle3 or p-eagle, not {self.drafter_type!r}")
+        if self.drafter_type == "p-eagle" and not 0 <= self.mask_token_id < self.vocab_size:
+            raise EaglekitError(f"a p-eagle drafter needs its parallel-drafting token id in [0, {self.vocab_size}), "
+                                f"got mask_token_id={self.mask_token_id}")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -276,6 +285,8 @@ class Eagle3Drafter(nn.Module):
         self.rotary_emb = build_rotary(config)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        if config.drafter_type == "p-eagle":  # in fc's input space, as vLLM's `mask_hidden` buffer
+            self.mask_hidden = nn.Parameter(torch.zeros(1, num_aux * target_h))
 
     # --- vocabulary -------------------------------------------------------------------------
     def set_vocab_mapping(self, used_ids: torch.Tensor) -> None:
@@ -304,6 +315,11 @@ class Eagle3Drafter(nn.Module):
             chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)  # 3 x (B, T, H_target)
             aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden)
+
+    def mask_feature(self) -> torch.Tensor:
+        """p-eagle: (1, H) the feature every drafted position after the first reads, `fuse(mask_hidden)` (vLLM
+        passes `mask_hidden` through the same norms and fc as the target's states)."""
+        return self.fuse(self.mask_hidden)
 
     def head(self, hidden_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, H) midlayer output -> (the hidden state the next step gets (B, T, H), draft logits (B, T, Vd)).

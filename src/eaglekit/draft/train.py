@@ -76,16 +76,38 @@ def all_reduce(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
 
 
 class TTTModule(nn.Module):
-    """The unit DDP/FSDP/compile wrap: one forward = all K TTT steps of a micro-batch."""
+    """The unit DDP/FSDP/compile wrap: one forward = all K TTT steps of a micro-batch.
+
+    The training-objective contract (every drafter type's module keeps it): `num_positions` K; `masks(loss_mask,
+    in_vocab)` -> (train, accuracy) masks (K, B, T); forward(aux, input_ids, loss_mask, probs, in_vocab,
+    denominators (K,)) -> (loss, loss_sums (K,), correct (K,), train_counts (K,), accuracy_counts (K,))."""
 
     def __init__(self, drafter: Eagle3Drafter, num_steps: int, decay: float, attention: str):
         super().__init__()
         self.drafter, self.num_steps, self.decay, self.attention = drafter, num_steps, decay, attention
 
+    @property
+    def num_positions(self) -> int:
+        return self.num_steps
+
+    def masks(self, loss_mask: torch.Tensor, in_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return step_masks(loss_mask, in_vocab, self.num_steps)
+
     def forward(self, aux, input_ids, loss_mask, probs, in_vocab, denominators):  # noqa: ANN001 (see ttt_forward)
         r = ttt_forward(self.drafter, aux, input_ids, loss_mask, probs, in_vocab, self.num_steps, self.decay,
                         self.attention, denominators)
         return r.loss, r.loss_sums, r.correct, r.train_counts, r.accuracy_counts
+
+
+def objective_module(config: TrainConfig, drafter: nn.Module, attention: str) -> nn.Module:
+    """The training objective of `config.drafter_type` over `drafter` (the contract in `TTTModule`)."""
+    if config.drafter_type == "p-eagle":
+        from eaglekit.draft.parallel import ParallelModule
+
+        return ParallelModule(drafter, config.ttt_steps, config.step_decay, attention)
+    if config.drafter_type != "eagle3":
+        raise EaglekitError(f"drafter_type={config.drafter_type} has no training objective in this eaglekit")
+    return TTTModule(drafter, config.ttt_steps, config.step_decay, attention)
 
 
 def summarize(sums: torch.Tensor, decay: float) -> dict[str, Any]:
@@ -153,7 +175,7 @@ class Trainer:
         self.position = Position()
         resume_from = self._resume_point()
         if resume_from is not None:  # weights before wrapping: every rank reads the same file
-            state = Eagle3Drafter.from_pretrained(resume_from).state_dict()
+            state = type(drafter).from_pretrained(resume_from).state_dict()
             drafter.load_state_dict(state)
         self.module = self._wrap(drafter)
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -176,8 +198,8 @@ class Trainer:
     # --- setup --------------------------------------------------------------------------------
     def _wrap(self, drafter: Eagle3Drafter) -> nn.Module:
         attention = self.config.attention if self.config.attention != "auto" else "sdpa"
-        module: nn.Module = TTTModule(drafter.to(self.d.device), self.config.ttt_steps, self.config.step_decay,
-                                      attention)
+        module: nn.Module = objective_module(self.config, drafter.to(self.d.device), attention)
+        self.objective = module  # unwrapped: its num_positions and masks
         if self.d.world > 1 and self.config.distributed == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -222,7 +244,7 @@ class Trainer:
         mine = indices[self.d.rank :: self.d.world]
         batch = self.source.batch(mine, self.d.device, self.amp or torch.float32, self.pad_to)
         if self.record_counts is None:
-            train_masks, _ = step_masks(batch.loss_mask, batch.in_vocab, self.config.ttt_steps)
+            train_masks, _ = self.objective.masks(batch.loss_mask, batch.in_vocab)
             denominators = all_reduce(train_masks.sum(dim=(1, 2)).float(), self.d).clamp(min=1.0)
         else:
             denominators = (self.record_counts * len(indices)).clamp(min=1.0)
@@ -315,14 +337,14 @@ class Trainer:
         self.module.eval()
         size = self.config.batch_size * self.d.world
         order = sorted(self.val_idx, key=lambda i: -self.source.lengths[i])
-        sums = torch.zeros(4, self.config.ttt_steps, device=self.d.device)
+        sums = torch.zeros(4, self.objective.num_positions, device=self.d.device)
         for start in range(0, len(order), size):
             chunk = order[start : start + size]
             mine, weight = chunk[self.d.rank :: self.d.world], 1.0
             if not mine:  # every rank runs the same forwards (FSDP gathers weights collectively): a dummy, weighted 0
                 mine, weight = chunk[:1], 0.0
             batch = self.source.batch(mine, self.d.device, self.amp or torch.float32, self.pad_to)
-            ones = torch.ones(self.config.ttt_steps, device=self.d.device)
+            ones = torch.ones(self.objective.num_positions, device=self.d.device)
             with _autocast(self.d.device, self.amp):
                 _, loss_sums, correct, train_counts, acc_counts = self.module(
                     batch.aux, batch.input_ids, batch.loss_mask, batch.probs, batch.in_vocab, ones)
@@ -354,7 +376,7 @@ class Trainer:
         return {k: v.detach().cpu() for k, v in self.drafter.state_dict().items()}
 
     def save_drafter(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
-        copy = Eagle3Drafter(self.drafter.config)
+        copy = type(self.drafter)(self.drafter.config)
         copy.load_state_dict(state)
         copy.save_pretrained(directory)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eaglekit.config import option, save_resolved, to_dict
-from eaglekit.decode_options import DecodeOptions
+from eaglekit.decode_options import CHAIN_METHODS, DecodeOptions
 from eaglekit.errors import EaglekitError
 
 if TYPE_CHECKING:
@@ -38,7 +38,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POSITIONAL = ("prompts",)
-ALL_METHODS = ("plain", "hf", "hf_assisted", "hf_prompt_lookup", "chain", "tree")
+DEFAULT_METHODS = ("plain", "hf", "hf_assisted", "hf_prompt_lookup", "chain", "tree")
+# parallel: a P-EAGLE drafter's chain drafted in one forward; dflash: a DFlash drafter's block
+ALL_METHODS = (*DEFAULT_METHODS, "parallel", "dflash")
+DRAFTER_METHODS = ("chain", "tree", "parallel", "dflash")  # need drafter=
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ class Config:
     prompts: str = option("", "prompt file: JSONL/JSON conversations (OpenAI messages, ShareGPT, prompt/completion)")
     output: str = option("runs/bench", "directory for bench.json, bench.md, bench.png")
     overwrite: bool = option(False, "write into an output directory that is not empty and was not written by bench")
-    methods: tuple[str, ...] = option(ALL_METHODS, "methods to measure (subset of: " + ", ".join(ALL_METHODS) + ")")
+    methods: tuple[str, ...] = option(DEFAULT_METHODS, "methods to measure (subset of: " + ", ".join(ALL_METHODS) +
+                                      "; parallel needs a p-eagle drafter, dflash a dflash one)")
     temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures to measure at")
     num_prompts: int = option(0, "use the first N prompts (0 = all)")
     max_new_tokens: int = option(128, "tokens generated per prompt")
@@ -60,7 +64,7 @@ class Config:
     depth: int = option(DecodeOptions.depth, "tree: draft levels")
     tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level")
     total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward")
-    chain_length: int = option(DecodeOptions.chain_length, "chain: draft tokens per target forward")
+    chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash: draft tokens per target forward")
     backend: str = option("auto", "eaglekit backend: auto, eager or static", choices=("auto", "eager", "static"))
     compile: bool = option(True, "torch.compile + CUDA graphs for eaglekit's fixed-shape static-backend steps (GPU "
                                  "only; ignored on CPU)")
@@ -144,7 +148,7 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
             prefill += statistics.median(r[2].prefill_seconds for r in runs)
             forwards += stats.target_forwards
             discarded += stats.discarded_steps
-    depth = config.chain_length if method == "chain" else config.depth
+    depth = config.chain_length if method in CHAIN_METHODS else config.depth
     row: dict[str, Any] = {"method": method, "temperature": temperature, "new_tokens": tokens, "seconds": seconds,
                            "tokens_per_second": tokens / seconds if seconds else None,
                            "ms_per_token": 1000 * seconds / tokens if tokens else None}
@@ -152,7 +156,7 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
         decode = seconds - prefill
         row.update(prefill_seconds=prefill, target_forwards=forwards,
                    decode_tokens_per_second=tokens / decode if decode > 0 else None)
-    if method in ("chain", "tree"):
+    if method in DRAFTER_METHODS:
         row["discarded_steps"] = discarded  # run a step ahead past a generation's end (fused loop): time, no tokens
         steps = max(len(accepted), 1)
         row["tau"] = sum(a + 1 for a in accepted) / steps
@@ -161,12 +165,12 @@ def _measure(runner: _Runner, method: str, temperature: float, prompts: list[lis
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from eaglekit.extras import pyplot
     from eaglekit.manifest import atomic_path
+
+    plt = pyplot(path.name)
+    if plt is None:
+        return
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     failed = [f"{r['method']} T={r['temperature']:g}" for r in rows if "error" in r]
@@ -210,8 +214,9 @@ def _check(config: Config) -> list[str]:
     if unknown:
         raise EaglekitError(f"unknown bench methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     methods = [m for m in config.methods if not (m == "hf_assisted" and not config.assistant)]
-    if any(m in ("chain", "tree") for m in methods) and not config.drafter:
-        raise EaglekitError("methods chain/tree need drafter=DIR; or leave them out: methods=plain,hf,hf_prompt_lookup")
+    if any(m in DRAFTER_METHODS for m in methods) and not config.drafter:
+        raise EaglekitError(f"methods {'/'.join(DRAFTER_METHODS)} need drafter=DIR; or leave them out: "
+                            "methods=plain,hf,hf_prompt_lookup")
     if config.engine == "vllm" and not config.drafter:
         raise EaglekitError("engine=vllm serves the target with the drafter: pass drafter=DIR")
     if not methods and config.engine != "vllm":

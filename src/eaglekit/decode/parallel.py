@@ -1,0 +1,60 @@
+"""P-EAGLE drafting (`method=parallel`): a chain of k drafts from ONE drafter forward.
+
+What vLLM 0.32 drafts with `parallel_drafting: true` (`v1/spec_decode/llm_base_proposer.py`,
+`utils.copy_and_expand_eagle_inputs_kernel`): after the accepted positions (target features, ids shifted by one,
+the bonus token last) the drafter's query holds k - 1 more slots at the next positions, each with the
+parallel-drafting token id and `fuse(mask_hidden)` as its feature, under causal attention. Draft 1 is read at the
+last accepted position (the EAGLE-3 root logits), draft j + 1 at mask slot j. The decode loop's `extend` has
+already run the accepted positions (same keys, same causal mask), so here one `draft_step` runs the k - 1 mask
+slots at positions start .. start + k - 2 (a depth-d node is fed at start + d - 1, as in `engine.draft`).
+
+Sampling: draft j is drawn from q_j, the drafter's distribution at its slot; the slots never see the drafts
+drawn before them, so q_j is the proposal of draft j whatever came before, and the chain's p/q rule
+(`verify.verify_sampled_chain`) keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs, sample
+from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents
+from eaglekit.decode_options import DecodeOptions
+
+
+def parallel_logits(drafter_backend, drafter, root_logits: torch.Tensor, start: int | torch.Tensor,
+                    num_drafts: int) -> torch.Tensor:
+    """root_logits (Vd,) -> (k, Vd) the draft logits of the k chain positions: the root's, then those of the
+    k - 1 mask slots (one drafter step of k - 1 rows)."""
+    if num_drafts == 1:
+        return root_logits[None]
+    device, rows = root_logits.device, num_drafts - 1
+    feature = drafter.mask_feature().to(root_logits.dtype).expand(rows, -1)  # (k-1, H)
+    ids = torch.full((rows,), drafter.config.mask_token_id, dtype=torch.long, device=device)
+    positions = torch.arange(rows, device=device) + start  # `start` may be a 0-d tensor (compiled graph)
+    visible = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()  # causal among the mask slots
+    _, logits = drafter_backend.draft_step(feature, ids, positions, visible)  # (k-1, Vd)
+    return torch.cat([root_logits[None], logits])
+
+
+def grow_parallel(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor,
+                  root_token: torch.Tensor, start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
+                  generator) -> tuple[DraftTree, torch.Tensor]:
+    """The chain of `chain_length` drafts after `root_token` -> (tree, its (k+1, k+1) ancestors-or-self mask).
+    Same contract as `engine.grow_tree`; `root_hidden` is not read (the mask slots carry `mask_hidden`)."""
+    k = options.chain_length
+    logits = parallel_logits(drafter_backend, drafter, root_logits, start, k)  # (k, Vd)
+    device = logits.device
+    all_draft_ids = drafter.draft_to_target(torch.arange(logits.shape[-1], device=device))  # (Vd,)
+    parents = chain_parents(k, device)  # (k+1,)
+    draft_probs = None
+    if options.temperature > 0:
+        q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (k, Vd)
+        draft_ids = sample(q, generator)  # (k,) one uniform per row, drawn as one (k, 1) tensor
+        q_target = draft_probs_to_target(q, all_draft_ids, vocab_size)  # (k, V)
+        draft_probs = torch.cat([torch.zeros_like(q_target[:1]), q_target])  # (k+1, V) the root has none
+    else:
+        draft_ids = logits.argmax(-1)  # (k,)
+    tokens = torch.cat([root_token.reshape(1), all_draft_ids[draft_ids]])  # (k+1,)
+    tree = DraftTree(tokens, parents, torch.arange(k + 1, device=device), draft_probs=draft_probs)
+    return tree, ancestor_matrix(parents, k)

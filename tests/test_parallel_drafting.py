@@ -1,0 +1,140 @@
+"""P-EAGLE (parallel drafting): the training loss equals the decode-time reference at every anchor, the decoder
+drafts what that reference drafts, greedy output equals plain on the eager and static backends (an oracle drafter
+gets every draft accepted), T = 1 keeps the target's distribution, and the drafter type travels with the
+checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builders import VOCAB, OracleDrafter, random_drafter, tiny_target
+from eaglekit.decode import Decoder
+from eaglekit.decode.backends import EagerDrafter
+from eaglekit.decode.parallel import parallel_logits
+from eaglekit.draft.build import load_saved_drafter, saved_drafter_type
+from eaglekit.draft.parallel import anchor_logits, naive_parallel_forward, parallel_forward, to_parallel
+from eaglekit.errors import EaglekitError
+from eaglekit.interop.distribution import compare
+
+PROMPTS = ([5, 17, 33, 2, 9, 41], [7, 3, 60, 12])
+MASK_TOKEN = VOCAB - 1
+
+
+def p_eagle(target, seed: int = 1, **variant):
+    drafter = random_drafter(target, seed)
+    if variant:
+        from dataclasses import replace
+
+        from eaglekit.draft.model import Eagle3Drafter
+
+        plain = drafter
+        drafter = Eagle3Drafter(replace(plain.config, **variant))
+        drafter.load_state_dict(plain.state_dict(), strict=False)
+    return to_parallel(drafter, MASK_TOKEN, seed).eval()
+
+
+def batch(seed: int, b: int = 2, t: int = 9, vd: int = 64, h: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, t, 3 * h, generator=g), torch.randint(0, VOCAB, (b, t), generator=g),
+            torch.rand(b, t, generator=g) > 0.3, torch.softmax(torch.randn(b, t, vd, generator=g), -1),
+            torch.rand(b, t, generator=g) > 0.2)
+
+
+@pytest.mark.parametrize("variant", [{}, {"norm_before_fc": True}])
+def test_parallel_loss_equals_the_decode_time_reference(variant) -> None:
+    drafter = p_eagle(tiny_target("llama"), **variant).train()
+    aux, ids, loss_mask, probs, in_vocab = batch(0)
+    fast = parallel_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
+    naive = naive_parallel_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=4)
+    for name in ("loss_sums", "correct", "train_counts", "accuracy_counts"):
+        torch.testing.assert_close(getattr(fast, name), getattr(naive, name), msg=name)
+    assert fast.train_counts[3] > 0  # the last position is trained somewhere
+    for parameter in (drafter.mask_hidden, drafter.fc.weight, drafter.midlayer.self_attn.q_proj.weight):
+        torch.testing.assert_close(torch.autograd.grad(fast.loss, parameter, retain_graph=True)[0],
+                                   torch.autograd.grad(naive.loss, parameter, retain_graph=True)[0])
+    assert drafter.mask_hidden.grad is None and bool(torch.autograd.grad(fast.loss, drafter.mask_hidden)[0].any())
+
+
+def test_decoder_drafts_what_the_reference_drafts() -> None:
+    """extend (the accepted positions) then one draft step of k - 1 mask slots = one causal forward over the
+    positions and the slots (what vLLM runs with parallel_drafting)."""
+    target = tiny_target("llama")
+    drafter = p_eagle(target)
+    aux, ids = batch(1, b=1)[:2]
+    backend = EagerDrafter(drafter)
+    with torch.no_grad():
+        backend.extend(aux[0, :5], ids[0, 1:6], torch.arange(5))
+        _, root = backend.extend(aux[0, 5:8], ids[0, 6:9], torch.arange(5, 8))
+        got = parallel_logits(backend, drafter, root[-1], 8, 4)  # (4, Vd)
+        expected = anchor_logits(drafter, drafter.fuse(aux[0, :8]), ids[0, :9], 7, 4)
+    torch.testing.assert_close(got, expected)
+
+
+class ParallelOracle(OracleDrafter):
+    """The oracle as a P-EAGLE drafter: at drafter position p it names sequence[p + 2], mask slot or not."""
+
+    def __init__(self, sequence: list[int], num_layers: int):
+        super().__init__(sequence, num_layers)
+        self.config.drafter_type, self.config.mask_token_id = "p-eagle", MASK_TOKEN
+
+    def mask_feature(self) -> torch.Tensor:
+        return torch.zeros(1, 4)
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_parallel_greedy_equals_plain(backend) -> None:
+    target = tiny_target("llama")
+    for prompt in PROMPTS:
+        plain = Decoder(target, None, backend).generate(prompt, 14, method="plain").tokens
+        result = Decoder(target, p_eagle(target), backend).generate(prompt, 14, method="parallel", chain_length=3)
+        assert result.tokens == plain
+        oracle = ParallelOracle(prompt + plain, target.config.num_hidden_layers)
+        full = Decoder(target, oracle, "eager").generate(prompt, 14, method="parallel", chain_length=3)
+        assert full.tokens == plain
+        assert all(a == 3 for a in full.stats.accepted[:-1]) and len(full.stats.accepted) >= 3
+
+
+def test_static_parallel_steps_equal_eager_ones() -> None:
+    target = tiny_target("llama")
+    drafter = p_eagle(target)
+    for temperature in (0.0, 1.0):
+        runs = [Decoder(target, drafter, backend).generate(PROMPTS[0], 12, method="parallel", chain_length=3,
+                                                           temperature=temperature, seed=3)
+                for backend in ("eager", "static")]
+        assert runs[0].tokens == runs[1].tokens
+        assert runs[0].stats.accepted == runs[1].stats.accepted
+
+
+def test_sampled_parallel_keeps_the_targets_distribution() -> None:
+    target = tiny_target("llama")
+    decoder = Decoder(target, p_eagle(target))
+    plain, speculative, accepted = [], [], 0
+    for seed in range(300):
+        prompt = PROMPTS[seed % 2]
+        plain.append(decoder.generate(prompt, 3, method="plain", temperature=1.0, seed=seed).tokens)
+        result = decoder.generate(prompt, 3, method="parallel", chain_length=2, temperature=1.0, seed=10_000 + seed)
+        speculative.append(result.tokens[:3])
+        accepted += sum(result.stats.accepted)
+    assert accepted > 20
+    assert compare(plain, speculative)["matches_plain"]
+
+
+def test_parallel_needs_a_p_eagle_drafter() -> None:
+    target = tiny_target("llama")
+    with pytest.raises(EaglekitError, match="method=parallel needs a drafter of type p-eagle"):
+        Decoder(target, random_drafter(target)).generate(PROMPTS[0], 4, method="parallel")
+
+
+def test_drafter_type_round_trip(tmp_path) -> None:
+    target = tiny_target("llama")
+    drafter = p_eagle(target)
+    drafter.save_pretrained(tmp_path / "p")
+    random_drafter(target).save_pretrained(tmp_path / "e")
+    assert saved_drafter_type(tmp_path / "p") == "p-eagle" and saved_drafter_type(tmp_path / "e") == "eagle3"
+    loaded = load_saved_drafter(tmp_path / "p")
+    assert loaded.config.mask_token_id == MASK_TOKEN
+    torch.testing.assert_close(loaded.mask_hidden, drafter.mask_hidden)
+    assert to_parallel(loaded, -1, 0) is loaded
+    with pytest.raises(EaglekitError, match="trained with"):
+        to_parallel(loaded, 3, 0)
