@@ -3,6 +3,8 @@ reports acceptance statistics on /metrics."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -30,7 +32,13 @@ def test_serve_with_drafter_matches_target_and_reports_acceptance(chat_target, t
     with serve.build_server(config, engine=engine) as running, httpx.Client(timeout=60) as client:
         answer = client.post(running.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 8, "temperature": 0}).json()
         metrics = client.get(running.url + "/metrics").json()
+        with client.stream("POST", running.url + "/v1/chat/completions",
+                           json={"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "stream": True}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
     assert answer["choices"][0]["message"]["content"] == reference.decode(expected.ids)
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert streamed == answer["choices"][0]["message"]["content"]  # the speculative steps' tokens, streamed
     assert answer["choices"][0]["finish_reason"] == expected.finish_reason
     assert metrics["engine"]["engine"] == "eaglekit-speculative" and metrics["engine"]["requests"] == 1
     engine_stats, usage = metrics["engine"], answer["usage"]
