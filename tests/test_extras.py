@@ -60,15 +60,18 @@ def test_device_map_without_accelerate_names_the_extra_before_loading(monkeypatc
 
 def test_plots_without_matplotlib_are_skipped_with_one_warning(tmp_path, monkeypatch, caplog):
     from eaglekit.report import plot_acceptance, plot_training
+    from eaglekit.stages.bench import _plot
 
     missing(monkeypatch, "matplotlib")
     metrics = {"train": [{"step": 1, "loss": 1.0, "acc_k": [0.5]}], "val": []}
     with caplog.at_level(logging.WARNING, logger="eaglekit.extras"):
         assert plot_training(metrics, tmp_path / "training.png") is False
         assert plot_acceptance([], {"acc_k": [0.5]}, tmp_path / "acceptance.png") is False
+        _plot([{"method": "plain", "temperature": 0.0, "tokens_per_second": 1.0}], tmp_path / "bench.png")
     assert list(tmp_path.iterdir()) == []
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "pip install 'eaglekit[plots]'" in warnings[0], warnings
+    assert len(warnings) == 2 and all("pip install 'eaglekit[plots]'" in w for w in warnings), warnings
+    assert warnings[1].startswith("bench.png not drawn")
 
 
 def test_require_gives_the_module_when_installed():
