@@ -16,7 +16,7 @@ drafter kept vLLM's own output (T=0: the same ids; T > 0: the same distribution)
 `vllm serve` at each concurrency of `concurrency=` (eaglekit.interop.vllm_bench). vLLM runs in its own Python
 (`vllm_python=`, default: this one when it imports vllm, else .venv-vllm/bin/python from `make vllm-env`).
 
-    eaglekit bench tiny-eval.jsonl target=tiny drafter=runs/demo/train engine=vllm methods=chain chain_length=3
+    eaglekit bench tiny-eval target=tiny drafter=runs/demo/train engine=vllm methods=chain chain_length=3
 """
 
 from __future__ import annotations
