@@ -444,3 +444,23 @@ def test_train_warns_when_no_position_has_a_loss(chat_target, data, tmp_path, ca
     with caplog.at_level(logging.WARNING):
         train.run(load_config(train.Config, overrides=overrides))
     assert "has no loss to learn from" in caplog.text and "raise draft_vocab_size" in caplog.text
+
+
+def test_run_refuses_what_bench_or_export_would_refuse_before_training(tmp_path, capsys):
+    """A target whose layers speculative decoding cannot run (Llama-4's chunked attention), or aux layers an export
+    format cannot address: `run` says so before the first stage, in one line, and writes nothing."""
+    import transformers
+
+    target = tmp_path / "llama4"
+    transformers.Llama4TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  attention_chunk_size=4, num_local_experts=2).save_pretrained(target)
+    before = snapshot(tmp_path)
+    line = in_process(capsys, "run", "--target", str(target), "--data", "tiny", "--out", str(tmp_path / "run"))
+    assert "bench would refuse this run after training, so nothing ran:" in line
+    assert "has chunked_attention layers" in line and "(bench: methods=plain,hf,hf_prompt_lookup)" in line
+    line = in_process(capsys, "run", "--target", "tiny", "--data", "tiny", "--out", str(tmp_path / "run"),
+                      "train.aux_layer_ids=0,2,3")
+    assert "export would refuse this run after training" in line and "export --to sglang: aux layer ids" in line
+    assert_unchanged(before, tmp_path)
+    assert not (tmp_path / "run").exists()

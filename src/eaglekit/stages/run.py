@@ -317,11 +317,13 @@ def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
 
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.manifest import atomic_write_json, claim_output
+    from eaglekit.preflight import check_steps
     from eaglekit.report import headline_text, write_report
     from eaglekit.target.loading import locate_target
 
     steps = plan(config)
     locate_target(config.target)  # a hub id neither served nor cached: one error now, not after training
+    check_steps(steps, config.target, config.trust_remote_code, _bench._check)  # what bench/export would refuse
     out = claim_output(config.out, "run", config.overwrite)
     save_resolved(config, out, name="run.yaml")
     log.info("run: %d stages into %s: %s", len(steps), out, ", ".join(s.name for s in steps))

@@ -1,0 +1,133 @@
+"""Pre-flight of `eaglekit run`: what the later stages would refuse, checked before the first stage runs.
+
+A run trains for minutes to days before bench, export and doctor run, and each of those refuses some targets,
+drafters and options. `check_steps(steps, ...)` asks, for every step of the plan, what its stage would refuse,
+from the target's config.json and the stages' resolved configs (no weights loaded, nothing written), and raises
+the first refusal as one `EaglekitError` naming the stage and the fix:
+
+- bench: its own option checks (methods, drafter, repeats, ...), a readable prompt file with conversations, a
+  target that speculative decoding can run (`decode.windows.check_speculative`: full and sliding-window attention
+  layers only) when it measures chain or tree, the static fast path's coverage with `backend=static`, and with
+  `engine=vllm` an installed vLLM of the tested version;
+- export: for each format, the drafter that train will build (shapes from the target, aux layers, variant flags,
+  `drafter_arch`; or `init_from`'s own config) against that format's rules (`interop.formats.check_exportable`);
+- doctor: nothing; a doctor that cannot read an engine reports the verdict "unknown" instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from eaglekit.errors import EaglekitError
+
+log = logging.getLogger(__name__)
+
+SPECULATIVE_METHODS = ("chain", "tree")
+
+
+def _refused(stage: str, error: EaglekitError) -> EaglekitError:
+    return EaglekitError(f"{stage} would refuse this run after training, so nothing ran: {error}")
+
+
+def check_decoding(target_config: Any, methods: Iterable[str], backend: str, name: str) -> None:
+    """Refuse decoding methods the target cannot run: chain/tree on layers speculative decoding does not cover,
+    backend=static on a target the static fast path does not cover."""
+    from eaglekit.decode.windows import check_speculative
+
+    methods = list(methods)
+    if any(m in SPECULATIVE_METHODS for m in methods):
+        try:
+            check_speculative(target_config, name)
+        except EaglekitError as error:
+            plain = ",".join(m for m in methods if m not in SPECULATIVE_METHODS) or "plain"
+            raise EaglekitError(f"{error} (bench: methods={plain})") from None
+    if backend == "static":
+        from eaglekit.decode.static import check_static_target
+
+        check_static_target(target_config)
+
+
+def check_bench(config: Any, target_config: Any, methods: list[str]) -> None:
+    """What `eaglekit bench` refuses of its target and inputs before anything is measured (config:
+    `eaglekit.stages.bench.Config`; `methods`: those it measures, after its own option check)."""
+    from eaglekit.data import read_conversations
+
+    if not read_conversations(config.prompts):
+        raise EaglekitError(f"{config.prompts} holds no conversations: pass bench.prompts= a conversation file")
+    check_decoding(target_config, methods, config.backend, config.target)
+    if config.engine == "vllm":
+        from eaglekit.interop.vllm_engine import find_engine
+
+        find_engine(config.vllm_python, config.vllm_version_check)
+
+
+def planned_drafter(train: Any, target_config: Any, aux_layers: tuple[int, ...]) -> Any | None:
+    """The `DrafterConfig` that `eaglekit train` (config: `TrainConfig`) will build for this target, without
+    data: the draft vocabulary's size is its upper bound. None where it cannot be told beforehand (a drafter type
+    other than eagle3, an `init_from` in another format)."""
+    import dataclasses
+
+    from eaglekit.draft import mla
+    from eaglekit.draft.build import drafter_config_for, requested_variant
+    from eaglekit.draft.model import FORMAT, DrafterConfig
+    from eaglekit.target.capture import text_config
+
+    if getattr(train, "drafter_type", "eagle3") != "eagle3":
+        return None
+    if train.init_from:
+        path = Path(train.init_from) / "config.json"
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        return DrafterConfig.from_dict(data) if data.get("format") == FORMAT else None
+    tc = text_config(target_config)
+    architecture = (getattr(target_config, "architectures", None) or [type(target_config).__name__])[0]
+    config = drafter_config_for(tc, train.draft_vocab_size, aux_layers, train.target, architecture)
+    return dataclasses.replace(config, **requested_variant(train), **mla.architecture_fields(train, tc))
+
+
+def check_export(formats: Iterable[str], drafter: Any) -> None:
+    """What `eaglekit export --to FORMAT` refuses of this drafter config, for each format."""
+    from eaglekit.interop.formats import check_exportable
+
+    for fmt in formats:
+        try:
+            check_exportable(drafter, fmt)
+        except EaglekitError as error:
+            raise EaglekitError(f"export --to {fmt}: {error} (or leave {fmt} out of export_formats)") from None
+
+
+def _aux_layers(train: Any, layers: int) -> tuple[int, ...]:
+    """The aux layers (input-of-layer) a fresh drafter fuses: train's `aux_layer_ids`, else the default."""
+    from eaglekit.target.extract import resolve_aux_ids
+
+    return resolve_aux_ids(tuple(train.aux_layer_ids), "input_of_layer", layers, train.target)
+
+
+def check_steps(steps: Iterable[Any], target: str, trust_remote_code: bool = False,
+                bench_options: Callable[[Any], list[str]] | None = None) -> None:
+    """Raise what a later stage of the plan (`eaglekit.pipeline.Step`s) would refuse; see the module docstring.
+    `bench_options`: the bench stage's own option check, giving the methods it measures (the stages are the run's
+    to know: this module imports none)."""
+    from eaglekit.target.capture import text_config
+    from eaglekit.target.loading import load_target_config
+
+    configs = {step.name: step.make_config() for step in steps}
+    target_config = load_target_config(target, trust_remote_code=trust_remote_code)
+    if "bench" in configs:
+        bench = configs["bench"]
+        try:
+            check_bench(bench, target_config, bench_options(bench) if bench_options else list(bench.methods))
+        except EaglekitError as error:
+            raise _refused("bench", error) from None
+    formats = [c.to for name, c in configs.items() if name.startswith("export-")]
+    if formats and "train" in configs:
+        layers = int(text_config(target_config).num_hidden_layers)
+        drafter = planned_drafter(configs["train"], target_config, _aux_layers(configs["train"], layers))
+        if drafter is not None:
+            try:
+                check_export(formats, drafter)
+            except EaglekitError as error:
+                raise _refused("export", error) from None
+    log.info("pre-flight: %s would accept this target and these options", ", ".join(configs))
