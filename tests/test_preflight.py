@@ -70,3 +70,20 @@ def test_bench_options_and_engine_are_checked_before_training(tmp_path):
 def test_the_default_plan_passes(tmp_path):
     config = run_config("tiny", tmp_path / "run")
     check_steps(plan(config), config.target, bench_options=bench_stage._check)
+
+
+def test_bench_and_serve_refuse_speculative_decoding_of_such_a_target_before_any_work(chunked_target, tmp_path):
+    import types
+
+    from test_sliding_window import sliding_target
+
+    from eaglekit.decode.serving import SpeculativeEngine
+
+    config = load_config(bench_stage.Config, overrides={"target": chunked_target, "prompts": "x.jsonl",
+                                                        "drafter": "d", "output": str(tmp_path / "bench")})
+    with pytest.raises(EaglekitError, match="chunked_attention layers: .* methods=plain,hf,hf_prompt_lookup"):
+        bench_stage.run(config)
+    assert not (tmp_path / "bench").exists()
+    base = types.SimpleNamespace(model=sliding_target("llama4"), max_context=64)
+    with pytest.raises(EaglekitError, match="chunked_attention layers: .*decode it with method=plain"):
+        SpeculativeEngine(base, None, method="tree")

@@ -22,6 +22,10 @@ from eaglekit.target.backends import EngineOutput, HFBackend
 class SpeculativeEngine:
     def __init__(self, base: HFBackend, drafter: torch.nn.Module, method: str = "tree", backend: str = "eager",
                  compile: bool = False, **options: Any):
+        if method != "plain":  # a target whose layers speculative decoding cannot run: refused before serving
+            from eaglekit.decode.windows import check_speculative
+
+            check_speculative(base.model.config, getattr(base.model.config, "_name_or_path", "") or "the target")
         self.base = base
         self.max_context = base.max_context
         self.method, self.options = method, options

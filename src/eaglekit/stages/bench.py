@@ -282,6 +282,12 @@ def run(config: Config) -> dict[str, Any]:
     from eaglekit.target.loading import load_tokenizer
 
     methods = _check(config)
+    if methods:  # chain/tree on layers they cannot run, backend=static off its models: refused before measuring
+        from eaglekit.preflight import check_decoding
+        from eaglekit.target.loading import load_target_config
+
+        check_decoding(load_target_config(config.target, trust_remote_code=config.trust_remote_code), methods,
+                       config.backend, config.target)
     engine = None
     if config.engine == "vllm":  # vLLM missing or of another version: refused before anything is measured
         from eaglekit.interop.vllm_engine import find_engine
