@@ -3,6 +3,7 @@
     eaglekit extract data.jsonl output=runs/hidden target=meta-llama/Llama-3.1-8B-Instruct
     torchrun --nproc-per-node 8 -m eaglekit extract data.jsonl output=runs/hidden target=...   # data-parallel
     eaglekit extract data.jsonl output=runs/hidden target=big-model device_map=auto             # one model, many GPUs
+    eaglekit extract data.jsonl output=runs/hidden target=big-model backend=vllm tensor_parallel_size=8  # vLLM captures
 
 Per record the store holds token ids, loss mask, the states entering decoder layers `aux_layer_ids`
 (input_of_layer convention, default 2, L//2, L-3) and the final-norm output (what the lm_head reads).
@@ -10,7 +11,8 @@ Batches are length-sorted and right-padded; padding is stripped before storing. 
 written atomically by background threads (as many as the cores allow, see `writer_parallelism`), and
 logged; a re-run resumes after the last complete shard.
 See docs/extract.md for the layout (`eaglekit.target.store`) and `HiddenStateDataset` for reading it; the work
-(batching, the hooked forwards, resume) is `eaglekit.target.extract`.
+(batching, the hooked forwards, resume) is `eaglekit.target.extract`. `backend=vllm` has vLLM capture the states
+(`eaglekit.interop.vllm_capture`; `regenerate=true` answers the prompts in the same engine run) into the same store.
 """
 
 from __future__ import annotations
