@@ -8,6 +8,7 @@ moving the files into place. `import_checkpoint` turns any supported layout into
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -50,6 +51,11 @@ def compare_drafters(reference: Eagle3Drafter, candidate: Eagle3Drafter, what: s
     ref_ids = to_input(reference.config)
     if ref_ids != to_input(candidate.config):
         raise EaglekitError(f"{what}: aux layers changed on the round trip ({ref_ids} -> {to_input(candidate.config)})")
+    parallel = [(c.drafter_type, c.mask_token_id) for c in (reference.config, candidate.config)]
+    if parallel[0] != parallel[1] or (parallel[0][0] == "p-eagle"
+                                      and not torch.equal(reference.mask_hidden.cpu(), candidate.mask_hidden.cpu())):
+        raise EaglekitError(f"{what}: the parallel drafting (drafter type, mask token, mask_hidden) changed on the "
+                            f"round trip ({parallel[0]} -> {parallel[1]})")
     expected, got = probe_logits(reference), probe_logits(candidate)
     difference = (expected - got).abs().max().item()
     tolerance = 0.0 if reference.fc.weight.dtype == torch.float32 else 1e-2 * expected.abs().max().item()
@@ -228,6 +234,10 @@ def import_checkpoint(source: str | Path, from_format: str = "auto", target_num_
                                           "aux_layer_convention": INPUT_OF_LAYER})
     weights = mla_format.engine_names(formats.read_weights(source), data)  # an MLA drafter's layers.0. -> midlayer.
     state = formats.from_checkpoint_state(weights, "speculators" if layout == "speculators" else "vllm")
+    parallel = formats.parallel_fields(data, state)  # P-EAGLE: mask_hidden and its token id
+    if parallel:
+        config = dataclasses.replace(config, **parallel)
+        state = {**state, "mask_hidden": state["mask_hidden"].reshape(1, -1)}  # speculators: (1, 1, n)
     return _build(config, state, source)
 
 

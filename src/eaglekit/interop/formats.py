@@ -65,7 +65,12 @@ def variant_tensors(config: DrafterConfig) -> list[str]:
 
 
 # Tensors of drafter variants eaglekit does not implement: importing them would silently drop behaviour.
-UNSUPPORTED_PREFIXES = ("layers.1.", "midlayer.self_attn.q_norm", "mask_hidden")
+UNSUPPORTED_PREFIXES = ("layers.1.", "midlayer.self_attn.q_norm")
+# P-EAGLE (drafter_type p-eagle): `mask_hidden` (1, n_aux*H_target) in every layout (speculators: (1, 1, n_aux*H_t);
+# vLLM reads it through `.view(1, -1)`), the parallel-drafting token id in config.json: `ptd_token_id` here (vLLM
+# also reads `mask_token_id` and `pard_token`), `mask_token_id` for speculators' peagle
+PARALLEL_TOKEN_KEYS = ("ptd_token_id", "pard_token", "mask_token_id")
+SPECULATORS_PEAGLE_ARCHITECTURE = "PEagleSpeculator"
 
 
 def layer_prefix(fmt: str) -> str:
@@ -78,6 +83,7 @@ def key_map(fmt: str) -> dict[str, str]:
     mapping = {f"midlayer.{name}": f"{prefix}{name}" for name in LAYER_TENSORS + mla_format.LAYER_TENSORS}
     mapping.update({name: name for name in TOP_TENSORS + OPTIONAL_TENSORS + VOCAB_TENSORS})
     mapping["input_norm.weight"] = "input_norm.weight"
+    mapping["mask_hidden"] = "mask_hidden"
     mapping.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(3)})
     return mapping
 
@@ -91,6 +97,8 @@ def required_keys(fmt: str, config: DrafterConfig) -> list[str]:
     prefix = layer_prefix(fmt)
     layer = mla_format.LAYER_TENSORS if mla_format.is_mla(config) else LAYER_TENSORS
     keys = [f"{prefix}{name}" for name in layer] + list(TOP_TENSORS) + variant_tensors(config)
+    if config.drafter_type == "p-eagle":
+        keys.append("mask_hidden")
     if config.draft_vocab_size < config.vocab_size:
         keys += ["d2t", "t2d"] if fmt == "speculators" else ["d2t"]
     return keys
@@ -147,12 +155,15 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
     marker = {"format": fmt, "aux_layer_convention": CONVENTION[fmt], "aux_layer_ids_input_of_layer": input_ids,
               "target_num_layers": config.target_num_layers, "target_name_or_path": config.target_name_or_path,
               "target_architecture": config.target_architecture}
+    parallel = config.drafter_type == "p-eagle"
     if fmt == "speculators":
         verifier = {"name_or_path": _verifier_path(config.target_name_or_path),
                     "architectures": [config.target_architecture] if config.target_architecture else []}
+        kind = "peagle" if parallel else "eagle3"
         return {
-            "architectures": [SPECULATORS_ARCHITECTURE],
-            "speculators_model_type": "eagle3",
+            "architectures": [SPECULATORS_PEAGLE_ARCHITECTURE if parallel else SPECULATORS_ARCHITECTURE],
+            "speculators_model_type": kind,
+            **({"mask_token_id": config.mask_token_id} if parallel else {}),
             "transformer_layer_config": llama_fields(config),
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
@@ -160,7 +171,7 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
             "norm_before_residual": config.norm_before_residual,  # vLLM defaults it to True when absent
             **{flag: getattr(config, flag) for flag in VARIANT_FLAGS},
             "speculators_config": {
-                "algorithm": "eagle3",
+                "algorithm": kind,
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "default_proposal_method": "greedy",
                 "verifier": verifier,
@@ -181,6 +192,9 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
         data["eagle_config"]["norm_before_fc"] = True
     if fmt == "vllm":  # vLLM >= 0.2x reads the explicit ids from the top level of the draft config only
         data["eagle_aux_hidden_state_layer_ids"] = engine_ids
+    if parallel:  # served with speculative_config {"method": "eagle3", "parallel_drafting": true}
+        data["ptd_token_id"] = config.mask_token_id
+        data["parallel_drafting"] = True
     data[MARKER] = marker
     return data
 
@@ -209,6 +223,9 @@ def check_exportable(config: DrafterConfig, fmt: str) -> None:
             raise EaglekitError(f"aux layer ids {input_ids} include 0 (the embedding output), which SGLang cannot "
                                 "address (its explicit ids mean 'output of layer k'); retrain with "
                                 "ids >= 1 or use vLLM")
+    if config.drafter_type == "p-eagle" and fmt == "sglang":
+        raise EaglekitError("SGLang has no parallel drafting (P-EAGLE): export this drafter --to vllm or --to "
+                            "speculators, or fine-tune an eagle3 drafter for SGLang")
     if fmt == "speculators" and config.target_hidden_size != config.hidden_size:
         raise EaglekitError("speculators sizes fc from the drafter's hidden size "
                             f"({config.hidden_size}), but this drafter fuses target states of width "
@@ -231,6 +248,8 @@ def check_required(fmt: str, config: DrafterConfig, state: dict[str, torch.Tenso
         "d2t": (config.draft_vocab_size,),
         "t2d": (config.vocab_size,),
         "input_norm.weight": (3 * config.target_hidden_size,),
+        "mask_hidden": ((1, 1, 3 * config.target_hidden_size) if fmt == "speculators"
+                        else (1, 3 * config.target_hidden_size)),
         **{f"fc_norm.{i}.weight": (config.target_hidden_size,) for i in range(3)},
     }
     if mla_format.is_mla(config):
@@ -247,6 +266,8 @@ def to_checkpoint_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str, t
     unknown = sorted(set(state) - set(mapping))
     if unknown:
         raise EaglekitError(f"drafter has tensors {unknown} that the {fmt} layout cannot hold")
+    if fmt == "speculators" and "mask_hidden" in state:  # speculators' PEagleDraftModel holds (1, 1, n)
+        state = {**state, "mask_hidden": state["mask_hidden"].reshape(1, 1, -1)}
     return {mapping[k]: v for k, v in state.items()}
 
 
@@ -299,14 +320,26 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise EaglekitError(f"{path} is not valid JSON: {error}") from None
 
 
+def parallel_fields(data: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """DrafterConfig fields of a P-EAGLE checkpoint (a `mask_hidden` tensor): drafter_type and the token id; {} for
+    an EAGLE-3 one. A `mask_hidden` without a token id in config.json is refused (vLLM would refuse it too)."""
+    if "mask_hidden" not in state:
+        return {}
+    token = next((data[key] for key in PARALLEL_TOKEN_KEYS if data.get(key) is not None), None)
+    if token is None:
+        raise EaglekitError(f"the checkpoint has mask_hidden (P-EAGLE) but its config.json names no parallel-drafting "
+                            f"token ({', '.join(PARALLEL_TOKEN_KEYS)}): add the token id it was trained with")
+    return {"drafter_type": "p-eagle", "mask_token_id": int(token)}
+
+
 def detect_format(data: dict[str, Any]) -> str:
     """'eaglekit', 'speculators' or 'eagle3' (the EAGLE/vLLM/SGLang layout) from a config dict."""
     if data.get("format") == "eaglekit-eagle3":
         return "eaglekit"
     if data.get("speculators_model_type") is not None:
-        if data["speculators_model_type"] != "eagle3":
+        if data["speculators_model_type"] not in ("eagle3", "peagle"):
             raise EaglekitError("speculators checkpoint of type "
-                                f"'{data['speculators_model_type']}'; only eagle3 imports")
+                                f"'{data['speculators_model_type']}'; eagle3 and peagle import here")
         return "speculators"
     architectures = data.get("architectures") or []
     if (any(a in EAGLE3_ARCHITECTURES for a in architectures) or "eagle_config" in data
