@@ -52,7 +52,7 @@ def test_cpu_binding_dtype_and_engine_errors():
     assert vc.engine_dtype("auto", mla=False, device_type="cpu") == "float32"
     assert vc.engine_dtype("auto", mla=False, device_type="cuda") == "auto" and vc.engine_dtype("bf16", False, "cpu")
     refused = "ValueError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
-    assert "eaglekit doctor target=/m engine=vllm fix=true" in vc.engine_error(refused, "/m")
+    assert "eaglekit doctor --engine vllm --target /m --fix" in vc.engine_error(refused, "/m")
     unknown = "ValueError: Model architectures ['FooForCausalLM'] are not supported for now."
     assert vc.engine_error(unknown, "/m").startswith("vLLM does not know the target's architecture")
 

@@ -41,7 +41,7 @@ SPOOL = ".vllm-spool"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
           "float32": "float32"}
 DOCTOR_FIX = ("vLLM refuses to capture hidden states from this target class (no EAGLE-3 interface): run "
-              "`eaglekit doctor target=TARGET engine=vllm fix=true` and pip-install the plugin it writes into vLLM's "
+              "`eaglekit doctor --engine vllm --target TARGET --fix` and pip-install the plugin it writes into vLLM's "
               "environment, then re-run")
 
 
