@@ -57,6 +57,19 @@ def test_cpu_binding_dtype_and_engine_errors():
     assert vc.engine_error(unknown, "/m").startswith("vLLM does not know the target's architecture")
 
 
+def test_a_record_longer_than_the_context_is_refused_before_the_engine_and_the_engines_refusal_is_named():
+    from eaglekit.target.extract import Record
+    from eaglekit.target.loading import load_target_config
+
+    config = load_config(extract.Config, None, ["data=x", "output=y", "target=tiny", "backend=vllm"])
+    short, long = (Record(str(n), torch.arange(n), torch.ones(n, dtype=torch.uint8)) for n in (10, 1024))
+    assert extract._max_model_len(config, load_target_config("tiny"), [short], []) == 11
+    with pytest.raises(EaglekitError, match="lower max_length to 1023"):
+        extract._max_model_len(config, load_target_config("tiny"), [short, long], [])
+    refused = "ValueError: The decoder prompt (length 300) is longer than the maximum model length of 256."
+    assert vc.engine_error(refused, "/m").startswith("a request is longer than vLLM's max_model_len")
+
+
 def test_final_norm_is_the_targets_own():
     from eaglekit.target.capture import find_decoder
     from eaglekit.target.loading import load_target, load_target_config, tiny_target_path
