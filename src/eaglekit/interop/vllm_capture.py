@@ -91,7 +91,7 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: list[int]) -> str:
 
 def engine_error(text: str, target: str) -> str:
     """The one-line fix for an engine failure whose text vLLM wrote."""
-    if "does not support EAGLE3 interface" in text or "image_token_index" in text:
+    if "does not support EAGLE3 interface" in text:
         return DOCTOR_FIX.replace("TARGET", target)
     if "are not supported for now" in text or "not supported by vLLM" in text or "Cannot find model module" in text:
         return (f"vLLM does not know the target's architecture ({text[-300:]}); use a model class vLLM serves, or "
@@ -103,8 +103,22 @@ def engine_error(text: str, target: str) -> str:
 
 # ---- the target's final norm, applied to id L -------------------------------------------------------
 
+def _checkpoint_keys(directory: Path) -> list[str]:
+    """Every tensor name of the checkpoint (its index when there is one, else the safetensors headers)."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    keys: list[str] = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            keys += list(handle.keys())
+    return keys
+
+
 def _checkpoint_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors of `names` present in the checkpoint's safetensors files (read without loading the rest)."""
+    """The tensors of `names` from the checkpoint's safetensors files (nothing else is read)."""
     from safetensors import safe_open
 
     found = {}
@@ -115,27 +129,22 @@ def _checkpoint_tensors(directory: Path, names: list[str]) -> dict[str, torch.Te
     return found
 
 
-def _norm_keys(path: str, keys: list[str]) -> list[str]:
-    """Checkpoint keys of the final norm's weight: its module path, else the one key that ends like it."""
-    wanted = f"{path}.weight"
-    if wanted in keys:
-        return [wanted]
-    tail = ".".join(wanted.split(".")[-2:])  # e.g. "norm.weight": a wrapper stores its language model elsewhere
-    return [k for k in keys if k.endswith(tail) and ".layers." not in k and not k.startswith(("vision", "visual"))]
-
-
-def _checkpoint_keys(directory: Path) -> list[str]:
-    from safetensors import safe_open
-
-    keys: list[str] = []
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            keys += list(handle.keys())
-    return keys
+def _norm_prefix(path: str, keys: list[str]) -> str:
+    """The checkpoint's name of the final norm module: its module path, else the one text-decoder key that ends like
+    it (a wrapper may store its language model under another prefix)."""
+    if f"{path}.weight" in keys:
+        return path
+    tail = "." + path.rsplit(".", 1)[-1] + ".weight"
+    found = [k[: -len(".weight")] for k in keys if k.endswith(tail) and ".layers." not in k
+             and not k.startswith(("vision", "visual", "audio"))]
+    if len(found) != 1:
+        raise EaglekitError(f"cannot find the final norm ({path}) among the checkpoint's tensors (candidates: "
+                            f"{found or 'none'}); use backend=hf")
+    return found[0]
 
 
 def final_norm(target_dir: str, config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The target's final norm with its checkpoint weight: the Hugging Face module (built on the meta device,
+    """The target's final norm with its checkpoint weights: the Hugging Face module (built on the meta device,
     located as `backend=hf` locates it), or an RMSNorm of the text config's eps for a class transformers lacks."""
     import torch
 
@@ -143,29 +152,30 @@ def final_norm(target_dir: str, config: Any, trust_remote_code: bool = False) ->
 
     directory = Path(target_dir)
     module, path = None, "model.norm"
-    if not isinstance(config, dict):
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-        for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
-            with contextlib.suppress(ValueError), torch.device("meta"):
-                model = auto.from_config(config, trust_remote_code=trust_remote_code)
-                stack = find_decoder(model)
-                if stack.norm is not None and stack.norm_path:
-                    module, path = stack.norm, stack.norm_path
-                break
-    keys = _norm_keys(path, _checkpoint_keys(directory))
-    if len(keys) != 1:
-        raise EaglekitError(f"cannot find the final norm's weight ({path}.weight) in {directory}'s safetensors "
-                            f"(candidates: {keys or 'none'}); use backend=hf")
-    weight = _checkpoint_tensors(directory, keys)[keys[0]]
+    for auto in _auto_classes():
+        with contextlib.suppress(ValueError), torch.device("meta"):
+            stack = find_decoder(auto.from_config(config, trust_remote_code=trust_remote_code))
+            if stack.norm is not None and stack.norm_path:
+                module, path = stack.norm, stack.norm_path
+            break
+    prefix = _norm_prefix(path, _checkpoint_keys(directory))
+    names = list(module.state_dict()) if module is not None else ["weight"]
+    tensors = _checkpoint_tensors(directory, [f"{prefix}.{name}" for name in names])
+    if len(tensors) != len(names):
+        raise EaglekitError(f"the checkpoint in {directory} lacks some of {prefix}'s tensors ({names}); use backend=hf")
+    state = {name: tensors[f"{prefix}.{name}"] for name in names}
     if module is None:
-        text = text_config(config) if not isinstance(config, dict) else config.get("text_config", config)
-        eps = text.get("rms_norm_eps", 1e-6) if isinstance(text, dict) else getattr(text, "rms_norm_eps", 1e-6)
-        return RMSNorm(weight, float(eps))
+        text = text_config(config)
+        return RMSNorm(state["weight"], float(getattr(text, "rms_norm_eps", None) or 1e-6))
     module = module.to_empty(device="cpu")
-    with torch.no_grad():
-        module.weight.copy_(weight)
+    module.load_state_dict(state)
     return module.eval().requires_grad_(False)
+
+
+def _auto_classes() -> tuple[Any, ...]:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForCausalLM, AutoModelForImageTextToText
 
 
 def _rms_norm_module() -> type:
@@ -371,127 +381,6 @@ def capture_records(session: EngineSession, records: list[Record], layers: Engin
         counters.tokens += len(record.input_ids)
         on_stored(record)
         send_more()
-    counters.seconds = time.perf_counter() - session.ready_at
-    counters.engine_startup_seconds = session.ready.get("startup_seconds", 0.0)
-    return counters
-
-
-# ---- regenerate and capture ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Regeneration:
-    """How answers are generated, and how a record is made from one (as `extract` tokenises a conversation)."""
-
-    tokenizer: Any
-    chat_template: str
-    max_length: int
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    eos_ids: tuple[int, ...]
-    context: int  # the engine's max_model_len: a prompt's answer is cut to what leaves room for the template's tail
-
-
-TEMPLATE_TAIL = 16  # tokens a chat template may add after an answer (end of turn, newline)
-
-
-def prompt_of(conversation: Any) -> Any:
-    """The conversation without its last assistant turn(s): what the target answers."""
-    from eaglekit.data import Conversation
-
-    messages = list(conversation.messages)
-    while messages and messages[-1].role == "assistant":
-        messages.pop()
-    return Conversation(conversation.id, tuple(messages))
-
-
-def prompt_ids(regeneration: Regeneration, prompt: Any) -> list[int]:
-    """Token ids of the prompt with the assistant's opening, as `regen backend=hf` encodes it."""
-    from eaglekit.data.tokenize import render, template_messages
-
-    text = render(regeneration.tokenizer, template_messages(prompt), regeneration.chat_template, True)
-    return list(regeneration.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def answered(regeneration: Regeneration, prompt: Any, output: list[int]) -> tuple[Any, str]:
-    """The conversation with the generated answer (cut at the first end-of-sequence id), and the finish reason."""
-    from eaglekit.data import Conversation, Message
-
-    cut = next((i for i, token in enumerate(output) if token in regeneration.eos_ids), None)
-    ids = output if cut is None else output[:cut]
-    text = regeneration.tokenizer.decode(ids, skip_special_tokens=True)
-    reason = "stop" if cut is not None else "length"
-    return Conversation(prompt.id, (*prompt.messages, Message("assistant", text))), reason
-
-
-def conversation_line(conversation: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    from eaglekit.data.tokenize import template_messages
-
-    messages = [{k: v for k, v in m.items() if k != "thinking"} for m in template_messages(conversation)]
-    return {"id": conversation.id, "messages": messages, "regen": meta}
-
-
-def regenerate_records(session: EngineSession, conversations: list[Any], regeneration: Regeneration,
-                       layers: EngineLayers, norm: Any, layout: StoreLayout, writer: ShardWriter, window: int,
-                       on_stored: Callable[[Record, dict[str, Any]], None]) -> CaptureCounters:
-    """For each conversation: a generation request (nothing saved), then a capture request of the record that
-    `tokenize_conversation` makes from the answered conversation (request ids 2i and 2i + 1)."""
-    import torch
-
-    from eaglekit.data import tokenize_conversation
-    from eaglekit.target.extract import Record
-    from eaglekit.target.regen import record_seed
-
-    counters = CaptureCounters()
-    prompts = [prompt_of(c) for c in conversations]
-    records: dict[int, tuple[Record, dict[str, Any]]] = {}
-    state = {"sent": 0, "finished": 0}
-
-    def send_more() -> None:
-        while state["sent"] < len(prompts) and state["sent"] - state["finished"] < window:
-            i = state["sent"]
-            ids = prompt_ids(regeneration, prompts[i])
-            budget = min(regeneration.max_new_tokens, regeneration.context - TEMPLATE_TAIL - len(ids))
-            if budget < 1:
-                raise EaglekitError(f"the prompt of record {prompts[i].id} has {len(ids)} tokens and leaves no room "
-                                    f"for an answer in the engine's {regeneration.context}-token context")
-            session.send({"id": 2 * i, "prompt": ids, "max_tokens": budget, "temperature": regeneration.temperature,
-                          "seed": record_seed(regeneration.seed, prompts[i].id), "stop": list(regeneration.eos_ids),
-                          "save": False})
-            state["sent"] += 1
-        if state["sent"] == len(prompts) and state["finished"] == len(prompts):
-            session.send({"end": True})
-
-    def finish() -> None:
-        state["finished"] += 1
-        send_more()
-
-    send_more()
-    for event in session.events():
-        i, capture = divmod(event["id"], 2)
-        if "error" in event:
-            raise EaglekitError(f"vLLM refused record {prompts[i].id}: {engine_error(event['error'], session.target)}")
-        if not capture:
-            conversation, reason = answered(regeneration, prompts[i], event["output"])
-            counters.generated_tokens += len(event["output"])
-            counters.finish_reasons[reason] = counters.finish_reasons.get(reason, 0) + 1
-            tokenized = tokenize_conversation(regeneration.tokenizer, conversation, regeneration.max_length,
-                                              regeneration.chat_template or None)
-            if not any(tokenized.loss_mask):  # an empty answer: nothing to learn, as extract skips it
-                finish()
-                continue
-            record = Record(conversation.id, torch.tensor(tokenized.input_ids, dtype=torch.long),
-                            torch.tensor(tokenized.loss_mask, dtype=torch.uint8))
-            meta = {"backend": "vllm", "finish_reason": reason, "completion_tokens": len(event["output"])}
-            records[i] = (record, conversation_line(conversation, meta))
-            session.send({"id": 2 * i + 1, "prompt": tokenized.input_ids, "max_tokens": 1, "save": True})
-            continue
-        record, line = records.pop(i)
-        store_file(event["file"], record, layers, norm, layout, writer)
-        counters.records += 1
-        counters.tokens += len(record.input_ids)
-        on_stored(record, line)
-        finish()
     counters.seconds = time.perf_counter() - session.ready_at
     counters.engine_startup_seconds = session.ready.get("startup_seconds", 0.0)
     return counters

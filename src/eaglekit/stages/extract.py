@@ -212,7 +212,7 @@ def _engine_options(config: Config) -> Any:
 def _max_model_len(config: Config, target_config: Any, records: list[Any], prompts: list[int]) -> int:
     """Tokens the engine must hold per request: the longest record (+1 sampled token), or the longest prompt with
     its answer and the template's tail; never over the target's own context."""
-    from eaglekit.interop.vllm_capture import TEMPLATE_TAIL
+    from eaglekit.interop.vllm_regenerate import TEMPLATE_TAIL
     from eaglekit.target.capture import text_config
 
     context = int(getattr(text_config(target_config), "max_position_embeddings", 0) or 1 << 30)
@@ -232,7 +232,7 @@ def _regeneration_data(config: Config, tokenizer: Any, done: set[str]) -> tuple[
     """The conversations still to answer and how to answer them."""
     from eaglekit.data import read_conversations
     from eaglekit.data.tokenize import resolve_chat_template
-    from eaglekit.interop.vllm_capture import Regeneration
+    from eaglekit.interop.vllm_regenerate import Regeneration
 
     conversations = read_conversations(list(config.data), skip_errors=config.skip_errors)
     conversations = conversations[: config.limit] if config.limit else conversations
@@ -283,6 +283,7 @@ def _run_vllm(config: Config) -> ExtractResult:
 
     from eaglekit.interop import vllm_capture as vc
     from eaglekit.interop import vllm_engine as ve
+    from eaglekit.interop import vllm_regenerate as vr
     from eaglekit.manifest import claim_output
     from eaglekit.target import extract as lib
     from eaglekit.target.capture import text_config
@@ -310,7 +311,7 @@ def _run_vllm(config: Config) -> ExtractResult:
     save_resolved(config, out)
     if config.regenerate:
         todo, regeneration, stats = _regeneration_data(config, tokenizer, done)
-        prompts = [len(vc.prompt_ids(regeneration, vc.prompt_of(c))) for c in todo]
+        prompts = [len(vr.prompt_ids(regeneration, vr.prompt_of(c))) for c in todo]
         regeneration = dataclasses.replace(regeneration, context=_max_model_len(config, target_config, [], prompts))
         context, total = regeneration.context, len(todo)
     else:
@@ -360,6 +361,7 @@ def _capture(config: Config, engine: Any, options: Any, target_dir: str, layers:
     from tqdm import tqdm
 
     from eaglekit.interop import vllm_capture as vc
+    from eaglekit.interop import vllm_regenerate as vr
 
     job = {"model": target_dir, "layer_ids": list(layers.ids), "max_in_flight": options.max_in_flight,
            "max_spool": options.max_spool,
@@ -381,7 +383,7 @@ def _capture(config: Config, engine: Any, options: Any, target_dir: str, layers:
                         lines.flush()
                         bar.update(1)
 
-                    counters = vc.regenerate_records(session, todo, regeneration, layers, norm, layout, writer,
+                    counters = vr.regenerate_records(session, todo, regeneration, layers, norm, layout, writer,
                                                      window, stored)
         writer.close()
     except BaseException:
