@@ -1,15 +1,18 @@
 """What a new user hits: bad input through the CLI gives exit 1, ONE error line naming the fix, no traceback,
 and leaves every file already on disk as it was (docs/errors.md lists each case).
 
-CLI subprocesses cost a few seconds of imports each, so one per kind of problem runs as `python -m eaglekit`;
-the other cases call `eaglekit.cli.main` in-process (the same code path: parsing, the stage, the error line).
+A CLI subprocess costs seconds of imports (far more on a loaded machine), so only what needs a real process runs as
+`python -m eaglekit` (a mistyped target, the progress bar on a terminal); the other cases call `eaglekit.cli.main`
+in-process (the same code path: parsing, the stage, the error line, the log lines).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -47,6 +50,24 @@ def cli(*args: str, cwd: Path) -> tuple[int, str]:
     proc = subprocess.run([sys.executable, "-m", "eaglekit", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
     return proc.returncode, proc.stderr
+
+
+def run_main(*args: str, cwd: Path) -> tuple[int, str]:
+    """`eaglekit ARGS` through cli.main in this process, from `cwd` -> (exit code, what a terminal would show on
+    stderr: the error line and eaglekit's log lines). The code path of `cli` without a new interpreter's imports."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("eaglekit")
+    logger.addHandler(handler)
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(stream):
+            code = main(list(args))
+    finally:
+        os.chdir(previous)
+        logger.removeHandler(handler)
+    return code, stream.getvalue()
 
 
 def one_error(stderr: str, *fragments: str) -> str:
@@ -115,7 +136,7 @@ def test_regen_caps_answers_and_advises_a_retry_only_when_one_can_succeed(chat_t
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": name, "messages": [{"role": "user", "content": text}]}
                                                        for name, text in (("short", fits), ("long", too_long))])
     before = snapshot(tmp_path)
-    code, stderr = cli("regen", str(prompts), f"target={chat_target}", "output=out", "max_new_tokens=1024",
+    code, stderr = run_main("regen", str(prompts), f"target={chat_target}", "output=out", "max_new_tokens=1024",
                        cwd=tmp_path)
     assert code == 1
     line = one_error(stderr, "1 record(s) failed", "fills the target's context", "shorten or drop")
@@ -150,7 +171,7 @@ def test_export_refuses_a_trained_drafters_folder(drafter_dir, tmp_path):
     (trained / "model.safetensors").write_bytes(b"trained weights")
     (trained / "manifest.json").write_text(json.dumps({"stage": "train"}))
     before = snapshot(tmp_path)
-    code, stderr = cli("export", str(drafter_dir), "--to", "vllm", f"output={trained}", cwd=tmp_path)
+    code, stderr = run_main("export", str(drafter_dir), "--to", "vllm", f"output={trained}", cwd=tmp_path)
     assert code == 1
     one_error(stderr, "was written by `eaglekit train`", "overwrite=true")
     assert_unchanged(before, tmp_path)
@@ -182,7 +203,8 @@ def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_ta
 
 def test_generate_refuses_a_drafter_made_for_another_target(drafter_dir, tmp_path):
     before = snapshot(drafter_dir)
-    code, stderr = cli("generate", "hello", "target=tiny", f"drafter={drafter_dir}", "max_new_tokens=4", cwd=tmp_path)
+    code, stderr = run_main("generate", "hello", "target=tiny", f"drafter={drafter_dir}", "max_new_tokens=4",
+                            cwd=tmp_path)
     assert code == 1
     one_error(stderr, "was made for another target", "4 layers vs 8", "hidden size 32 vs 128", "vocabulary")
     assert_unchanged(before, drafter_dir)
@@ -244,7 +266,7 @@ def test_an_output_path_that_is_a_file(chat_target, drafter_dir, data, tmp_path,
     taken = tmp_path / "taken"
     taken.write_text("not a folder")
     before = snapshot(tmp_path)
-    code, stderr = cli("vocab", str(data), f"target={chat_target}", f"output={taken}", cwd=tmp_path)
+    code, stderr = run_main("vocab", str(data), f"target={chat_target}", f"output={taken}", cwd=tmp_path)
     assert code == 1
     one_error(stderr, f"output {taken} is a file", "directory")
     for args in (("export", str(drafter_dir), f"output={taken}"),
@@ -304,7 +326,7 @@ def test_a_full_disk_in_regen_keeps_finished_records(chat_target, tmp_path, monk
 # ---- 6 and 8. training progress, max_steps over epochs, one name for aux layers ----------------------
 
 def test_train_logs_progress_and_max_steps_wins_over_epochs(chat_target, data, tmp_path, capsys):
-    code, stderr = cli("train", f"target={chat_target}", f"data={data}", "output=t", "max_steps=7", "epochs=1",
+    code, stderr = run_main("train", f"target={chat_target}", f"data={data}", "output=t", "max_steps=7", "epochs=1",
                        "batch_size=4", "val_fraction=0.2", "log_every=2", "ttt_steps=1", "draft_vocab_size=64",
                        "max_length=64", "resume=true", cwd=tmp_path)
     assert code == 0, stderr
