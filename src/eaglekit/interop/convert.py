@@ -247,6 +247,10 @@ def load_drafter(path: str | Path, target_num_layers: int | None = None) -> Eagl
     path = Path(path)
     if not (path / "config.json").is_file():
         raise EaglekitError(f"init_from={path}: no config.json there; give a drafter directory")
+    from eaglekit.interop.dflash_format import import_dflash, is_dflash_checkpoint
+
+    if is_dflash_checkpoint(formats.read_config(path)):  # a DFlash drafter: eaglekit's, vLLM's or speculators' layout
+        return import_dflash(path)
     if formats.detect_format(formats.read_config(path)) == "eaglekit":
         return Eagle3Drafter.from_pretrained(path)
     return import_checkpoint(path, target_num_layers=target_num_layers)

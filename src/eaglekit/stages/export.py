@@ -80,6 +80,10 @@ def run(config: Config) -> dict[str, Any]:
     output = Path(config.output or f"{source.as_posix().rstrip('/')}-{config.to}")
     if output.resolve() == source.resolve():
         raise EaglekitError("output must differ from the drafter directory; pass output=<new dir>")
+    from eaglekit.draft.build import saved_drafter_type
+
+    if saved_drafter_type(source) == "dflash":
+        return _run_dflash(config, source, output)
     drafter = Eagle3Drafter.from_pretrained(source)
     made_from = _made_from(config, source)
     _check_replacing(output, made_from, config.overwrite)
@@ -119,4 +123,36 @@ def run(config: Config) -> dict[str, Any]:
         note = vllm_serving_note(drafter.config.target_name_or_path, drafter.config.target_architecture)
         if note:
             log.warning("%s", note)
+    return summary
+
+
+def _run_dflash(config: Config, source: Path, output: Path) -> dict[str, Any]:
+    """A DFlash drafter in vLLM's or speculators' DFlash layout (`eaglekit.interop.dflash_format`), verified by
+    re-import; the embedding is never written (both engines share the target's)."""
+    import torch
+
+    from eaglekit.draft.dflash import DFlashDrafter
+    from eaglekit.interop.dflash_format import export_dflash
+    from eaglekit.manifest import claim_output, file_sha256, write_errors, write_manifest
+
+    if config.to not in ("vllm", "speculators"):
+        raise EaglekitError(f"{source} is a DFlash drafter: it exports --to vllm or --to speculators ({config.to} "
+                            "serves no DFlash drafter)")
+    drafter = DFlashDrafter.from_pretrained(source)
+    made_from = _made_from(config, source)
+    _check_replacing(output, made_from, config.overwrite)
+    claim_output(output, "export", config.overwrite)
+    (output / "manifest.json").unlink(missing_ok=True)
+    dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
+    with write_errors(output, "exported checkpoint"):
+        summary = export_dflash(drafter, output, config.to, dtype=dtype)
+        save_resolved(config, output, name="eaglekit_export.yaml")
+        write_manifest(output, "export", {"source": str(source), "made_from": made_from, "summary": summary,
+                                          "weights_sha256": file_sha256(output / "model.safetensors")})
+    print(f"exported {source} -> {output} ({config.to}, DFlash); target_layer_ids (output-of-layer) "
+          f"{summary['target_layer_ids']}, mask token {summary['mask_token_id']}, block {summary['block_size']}; "
+          "re-import matched the source logits")
+    if config.to == "vllm":
+        print(f"serve: vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": \"{output}\", "
+              f"\"num_speculative_tokens\": {drafter.config.block_size - 1}}}'")
     return summary

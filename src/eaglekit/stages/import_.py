@@ -66,6 +66,11 @@ def run(config: Config) -> dict[str, Any]:
         raise EaglekitError("no source given: eaglekit import <checkpoint dir> output=<dir>")
     source = Path(config.source)
     output = Path(config.output or f"{source.as_posix().rstrip('/')}-eaglekit")
+    from eaglekit.interop.dflash_format import is_dflash_checkpoint
+    from eaglekit.interop.formats import read_config
+
+    if is_dflash_checkpoint(read_config(source)):
+        return _run_dflash(config, source, output)
     layers, target_name, architecture = _target_layers(config.target, config.trust_remote_code)
     drafter = import_checkpoint(source, config.from_format, layers, config.aux_layer_ids or None)
     data = drafter.config.to_dict()
@@ -96,4 +101,48 @@ def run(config: Config) -> dict[str, Any]:
         f"imported {source} -> {output}; aux layers (input-of-layer) {summary['aux_layer_ids']}"
         + ("" if summary["has_embedding"] else "; no embedding in the checkpoint: load the target's before use")
     )
+    return summary
+
+
+def _run_dflash(config: Config, source: Path, output: Path) -> dict[str, Any]:
+    """A DFlash drafter in vLLM's or speculators' layout (a published z-lab checkpoint: no lm_head, it drafts with
+    the target's, which `target=` gives) -> eaglekit's DFlash format."""
+    from eaglekit.draft.dflash import DFlashConfig
+    from eaglekit.interop.dflash_format import import_dflash
+    from eaglekit.manifest import claim_output, write_errors, write_manifest
+
+    if config.aux_layer_ids:
+        raise EaglekitError("aux_layer_ids= overrides EAGLE-3 layers; a DFlash checkpoint names its own "
+                            "target_layer_ids: drop aux_layer_ids")
+    head = None
+    layers, target_name, architecture = _target_layers(config.target, config.trust_remote_code)
+    if config.target:
+        from eaglekit.draft.build import load_target_embeddings
+
+        head = load_target_embeddings(target_name, config.trust_remote_code)[1]
+    drafter = import_dflash(source, lm_head=head)
+    if not bool(drafter.lm_head.weight.any()):
+        raise EaglekitError(f"{source} has no lm_head: it drafts with the target's, so pass target=MODEL")
+    data = drafter.config.to_dict()
+    if target_name:
+        if layers and max(drafter.config.target_layer_ids) >= layers:
+            raise EaglekitError(f"target_layer_ids {list(drafter.config.target_layer_ids)} exceed the target's "
+                                f"{layers} layers: wrong target?")
+        data.update(target_name_or_path=target_name, target_architecture=architecture or data["target_architecture"],
+                    target_num_layers=layers or data["target_num_layers"])
+    drafter.config = DFlashConfig.from_dict(data)
+    if output.resolve() == source.resolve():
+        raise EaglekitError("output must differ from the source checkpoint's directory; pass output=<new dir>")
+    claim_output(output, "import", config.overwrite)
+    (output / "manifest.json").unlink(missing_ok=True)
+    with write_errors(output, "imported drafter"):
+        drafter.save_pretrained(output, include_embedding=bool(drafter.embed_tokens.weight.any()))
+        save_resolved(config, output, name="eaglekit_import.yaml")
+    summary = {"source": str(source), "output": str(output), "drafter_type": "dflash",
+               "target_layer_ids": list(drafter.config.target_layer_ids), "block_size": drafter.config.block_size,
+               "mask_token_id": drafter.config.mask_token_id, "draft_vocab_size": drafter.config.draft_vocab_size,
+               "lm_head_from_target": head is not None}
+    write_manifest(output, "import", summary)
+    print(f"imported DFlash drafter {source} -> {output}; target layers (output-of-layer) "
+          f"{summary['target_layer_ids']}, block {summary['block_size']}")
     return summary
