@@ -67,7 +67,16 @@ class TrainConfig:
                                 "mask, else pad, else end-of-sequence token")
     ttt_steps: int = option(7, "training-time-test steps K (eagle3); drafted positions trained per anchor (p-eagle: "
                             "the first from the target's states, the rest from mask_hidden; serve k <= this)")
-    step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k")
+    step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k (dflash: of block position k+1; "
+                               "the DFlash paper's exp(-1/7) = 0.87 at block_size 16)")
+    block_size: int = option(16, "dflash: tokens per block, the bonus token then block_size - 1 mask tokens (serve "
+                             "k <= block_size - 1 drafts)")
+    draft_layers: int = option(5, "dflash: decoder layers of a fresh drafter (the published 8B drafters: 5)")
+    target_layer_ids: tuple[int, ...] = option((), "dflash: target layers whose states are the drafter's context, "
+                                               "OUTPUT-of-layer ids (vLLM's DFlash convention; extract them with "
+                                               "aux_layer_ids = these + 1); empty = init_from's, else the store's "
+                                               "(offline), else spread from 1 to L-3, one per drafter layer")
+    num_anchors: int = option(64, "dflash: blocks sampled per sequence and batch (anchor positions in the answers)")
     epochs: int = option(1, "passes over the training split")
     max_steps: int = option(0, "optimizer steps to run, over as many epochs as that takes (0 = `epochs` decides)")
     batch_size: int = option(4, "sequences per micro-batch per process")

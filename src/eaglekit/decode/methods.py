@@ -40,6 +40,10 @@ def speculative_method(name: str) -> SpeculativeMethod:
         from eaglekit.decode.parallel import grow_parallel
 
         return SpeculativeMethod(name, grow_parallel, EagerDrafter, static=True)
+    if name == "dflash":
+        from eaglekit.decode.dflash import DFlashDrafterBackend, grow_dflash
+
+        return SpeculativeMethod(name, grow_dflash, DFlashDrafterBackend, static=False)
     raise EaglekitError(f"method={name} is not a speculative method this eaglekit decodes")
 
 

@@ -142,7 +142,9 @@ def saved_drafter_type(directory: str | Path) -> str:
 def drafter_classes() -> dict[str, Any]:
     """drafter_type -> the class that builds (`cls(config)`), saves (`save_pretrained`) and loads
     (`cls.from_pretrained(directory, device=, dtype=)`) drafters of that type."""
-    return {"eagle3": Eagle3Drafter, "p-eagle": Eagle3Drafter}
+    from eaglekit.draft.dflash import DFlashDrafter
+
+    return {"eagle3": Eagle3Drafter, "p-eagle": Eagle3Drafter, "dflash": DFlashDrafter}
 
 
 def drafter_class(drafter_type: str) -> Any:

@@ -196,10 +196,10 @@ def naive_block_forward(
 
 # --- the training objective -----------------------------------------------------------------
 def batch_seed(loss_mask: torch.Tensor, in_vocab: torch.Tensor, seed: int) -> int:
-    """A seed from a batch's contents (its loss mask and in-vocabulary pattern) and the run's seed: the anchors of a
-    batch are a function of the batch, so the loss normalisers and the forward see the same ones, validation sees
-    the same ones at every evaluation, and a resumed run draws what the first run drew."""
-    bits = torch.cat([loss_mask, in_vocab], dim=1).long()  # (B, 2T)
+    """A seed from a batch's contents (its loss mask, its in-vocabulary pattern on that mask) and the run's seed: the
+    anchors of a batch are a function of the batch, so the loss normalisers and the forward see the same ones,
+    validation sees the same ones at every evaluation, and a resumed run draws what the first run drew."""
+    bits = torch.cat([loss_mask, in_vocab & loss_mask], dim=1).long()  # (B, 2T) padding reads as False in both
     weights = torch.arange(1, bits.shape[1] + 1, device=bits.device) * 2654435761 % (2**31 - 1)  # (2T,)
     rows = torch.arange(1, bits.shape[0] + 1, device=bits.device)[:, None] * 40503  # (B, 1)
     return (int((bits * ((weights + rows) % (2**31 - 1))).sum()) + seed * 1_000_003) % (2**63 - 1)

@@ -108,7 +108,14 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
     aux_layers = tuple(config.aux_layer_ids) or (() if config.init_from
                                                  else default_aux_layers(int(tc.num_hidden_layers)))
-    drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts, read_drafter)
+    if config.drafter_type == "dflash":
+        from eaglekit.draft.dflash_setup import prepare_dflash
+
+        store_ids = (to_input_convention(tuple(dataset.manifest["aux_layer_ids"]),
+                                         dataset.manifest["aux_layer_convention"]) if config.shards else None)
+        drafter, vocab_note = prepare_dflash(config, tc, architecture, counts, lambda: head, read_drafter, store_ids)
+    else:
+        drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts, read_drafter)
     if config.init_from:
         check_drafter_target(drafter.config, target_config, config.init_from, config.target)
     drafter.load_target_embedding(embed.detach().float().cpu())

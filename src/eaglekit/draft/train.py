@@ -105,6 +105,10 @@ def objective_module(config: TrainConfig, drafter: nn.Module, attention: str) ->
         from eaglekit.draft.parallel import ParallelModule
 
         return ParallelModule(drafter, config.ttt_steps, config.step_decay, attention)
+    if config.drafter_type == "dflash":
+        from eaglekit.draft.dflash_train import DFlashObjective
+
+        return DFlashObjective(drafter, config.num_anchors, config.step_decay, attention, config.seed)
     if config.drafter_type != "eagle3":
         raise EaglekitError(f"drafter_type={config.drafter_type} has no training objective in this eaglekit")
     return TTTModule(drafter, config.ttt_steps, config.step_decay, attention)
@@ -167,7 +171,7 @@ class Trainer:
         # step_weighting=tokens: loss sums are divided by the mean count of a global micro-batch, not by its own
         self.record_counts = (mean_mask_counts(source.tokens, self.train_idx, config.max_length,
                                                config.ttt_steps).to(d.device)
-                              if config.step_weighting == "tokens" else None)
+                              if config.step_weighting == "tokens" and config.drafter_type != "dflash" else None)
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
         if d.main:
             log.info("training %d optimizer steps: %s", self.total_steps, self._schedule_note())
