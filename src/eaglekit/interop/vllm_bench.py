@@ -7,7 +7,8 @@ Two measurements in fp32:
   with and without the drafter show whether it kept vLLM's own output distribution (`distribution.compare`);
 - served (`vllm serve` on 127.0.0.1, T=0): output tokens/s at each concurrency of the sweep (1, 4, 16
   requests in flight), with the server's counters over the same requests.
-The rows (`vllm_plain`, `vllm_eagle3`, one pair per temperature) go into bench.json beside eaglekit's own
+The rows (`vllm_plain`, and `vllm_eagle3` or, for a DFlash drafter, `vllm_dflash` (vLLM's `"method": "dflash"`),
+one pair per temperature) go into bench.json beside eaglekit's own
 methods; at T=0 their `tokens_per_second` is the served figure at concurrency 1 (one request at a time, as
 eaglekit's rows), at T > 0 the offline batch's.
 """
@@ -25,17 +26,33 @@ from eaglekit.interop import vllm_engine as ve
 
 log = logging.getLogger(__name__)
 
-PLAIN, EAGLE3 = "vllm_plain", "vllm_eagle3"
+PLAIN, EAGLE3, DFLASH = "vllm_plain", "vllm_eagle3", "vllm_dflash"
+SPECULATIVE_ROWS = {"eagle3": EAGLE3, "dflash": DFLASH}  # vLLM speculative method -> its bench row
+
+
+def served_method(drafter_dir: str) -> str:
+    """The vLLM speculative method that serves a saved eaglekit drafter: eagle3, or dflash for a DFlash drafter."""
+    from eaglekit.draft.build import saved_drafter_type
+
+    return "dflash" if saved_drafter_type(drafter_dir) == "dflash" else "eagle3"
 
 
 def export_for_vllm(drafter_dir: str, output: Path, speculative_tokens: int) -> Path:
-    """The eaglekit drafter written in vLLM's eagle3 layout (fp32, verified by re-import) under `output`."""
+    """The eaglekit drafter written in vLLM's layout of its type (fp32, verified by re-import) under `output`."""
     import torch
 
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.draft.build import load_saved_drafter
+
+    drafter = load_saved_drafter(drafter_dir)
+    if served_method(drafter_dir) == "dflash":
+        from eaglekit.draft.dflash import check_block
+        from eaglekit.interop.dflash_format import export_dflash
+
+        check_block(speculative_tokens, drafter.config.block_size)  # vLLM would draft past the trained block
+        export_dflash(drafter, output, "vllm", dtype=torch.float32)
+        return output
     from eaglekit.interop.convert import export_drafter
 
-    drafter = Eagle3Drafter.from_pretrained(drafter_dir)
     export_drafter(drafter, output, "vllm", dtype=torch.float32, speculative_tokens=speculative_tokens)
     return output
 
@@ -79,12 +96,13 @@ def sample_specs(temperatures: tuple[float, ...], samples: int, num_prompts: int
 
 
 def offline(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
-            speculative_tokens: int, workdir: Path, sampled: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
+            speculative_tokens: int, workdir: Path, sampled: list[dict[str, Any]] = (),
+            method: str = "eagle3") -> dict[str, dict[str, Any]]:
     """Both offline runs in one worker process -> {name: worker result} (raises on a refusal)."""
     args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     runs = [{"name": PLAIN, "model": target, "speculative_config": None},
-            {"name": EAGLE3, "model": target,
-             "speculative_config": ve.speculative_config(drafter, speculative_tokens, engine.device_type)}]
+            {"name": SPECULATIVE_ROWS[method], "model": target,
+             "speculative_config": ve.speculative_config(drafter, speculative_tokens, engine.device_type, method)}]
     job = {"kind": "generate", "runs": [{**r, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_args": args,
                                          "sampled": list(sampled)} for r in runs]}
     result = ve.run_worker(engine, job, workdir, "offline")
@@ -135,22 +153,24 @@ def sweep(server: ve.Server, prompts: list[list[int]], max_new_tokens: int, leve
 
 def served(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
            speculative_tokens: int, levels: tuple[int, ...], workdir: Path, startup_timeout: float,
-           request_timeout: float) -> dict[str, list[dict[str, Any]]]:
+           request_timeout: float, method: str = "eagle3") -> dict[str, list[dict[str, Any]]]:
     """The concurrency sweep on a `vllm serve` without, then with, the drafter -> {name: levels}."""
     args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     found = {}
-    for name, spec in ((PLAIN, None), (EAGLE3, ve.speculative_config(drafter, speculative_tokens, engine.device_type))):
+    spec_config = ve.speculative_config(drafter, speculative_tokens, engine.device_type, method)
+    for name, spec in ((PLAIN, None), (SPECULATIVE_ROWS[method], spec_config)):
         with ve.serving(engine, target, args, spec, workdir / f"serve_{name}.log", startup_timeout) as server:
             found[name] = sweep(server, prompts, max_new_tokens, levels, request_timeout)
     return found
 
 
 def rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], sweeps: dict[str, list[dict[str, Any]]],
-         num_prompts: int) -> list[dict[str, Any]]:
+         num_prompts: int, method: str = "eagle3") -> list[dict[str, Any]]:
     """bench.json rows for vLLM: offline counters and outputs, the sweep, and the concurrency-1 speed."""
     plain_ids = offline_runs[PLAIN]["output_ids"]
+    speculative = SPECULATIVE_ROWS[method]
     table = []
-    for name in (PLAIN, EAGLE3):
+    for name in (PLAIN, speculative):
         run, levels = offline_runs[name], sweeps.get(name, [])
         first = next((level for level in levels if level["concurrency"] == 1), None)
         tokens_per_second = first["tokens_per_second"] if first else run["new_tokens"] / run["seconds"]
@@ -163,10 +183,10 @@ def rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], sweeps: dic
                         "tokens_per_second": run["new_tokens"] / run["seconds"] if run["seconds"] else None},
             "concurrency": levels,
             "outputs_equal_plain": sum(a == b for a, b in zip(run["output_ids"], plain_ids)) / max(len(plain_ids), 1)}
-        if name == EAGLE3:
+        if name == speculative:
             row.update(_counted(run["counters"]))
         table.append(row)
-    return table + sampled_rows(engine, offline_runs, num_prompts)
+    return table + sampled_rows(engine, offline_runs, num_prompts, speculative)
 
 
 def _counted(counters: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +198,8 @@ def _counted(counters: dict[str, Any]) -> dict[str, Any]:
     return {k: figures[k] for k in ("tau", "acceptance_per_position", "drafts", "accepted_per_position")}
 
 
-def sampled_rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], num_prompts: int) -> list[dict[str, Any]]:
+def sampled_rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], num_prompts: int,
+                 speculative: str = EAGLE3) -> list[dict[str, Any]]:
     """The rows at each temperature above 0: offline speed, vLLM's tau, and whether the drafter kept vLLM's own
     output distribution (a warning when it did not: the tau such an engine counts is no acceptance of the target's
     samples)."""
@@ -186,16 +207,16 @@ def sampled_rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], num
 
     table = []
     plain_runs = {s["temperature"]: s for s in offline_runs[PLAIN].get("sampled", [])}
-    for found in offline_runs[EAGLE3].get("sampled", []):
+    for found in offline_runs[speculative].get("sampled", []):
         temperature = found["temperature"]
-        for name, run in ((PLAIN, plain_runs[temperature]), (EAGLE3, found)):
+        for name, run in ((PLAIN, plain_runs[temperature]), (speculative, found)):
             speed = run["new_tokens"] / run["seconds"] if run["seconds"] else None
             row: dict[str, Any] = {
                 "method": name, "temperature": temperature, "engine": "vllm", "engine_version": engine.version,
                 "new_tokens": run["new_tokens"], "tokens_per_second": speed,
                 "ms_per_token": 1000 / speed if speed else None,
                 "speed_from": f"offline, {num_prompts} prompts in one batch"}
-            if name == EAGLE3:
+            if name == speculative:
                 row.update(_counted(run["counters"]))
                 row["distribution"] = check = compare(plain_runs[temperature]["samples"], run["samples"])
                 if not check["matches_plain"]:
@@ -216,10 +237,11 @@ def measure(engine: ve.Engine, target: str, drafter_dir: str, prompts: list[list
         raise EaglekitError("engine=vllm needs the target as a local model directory (vLLM loads "
                             f"it); {target} is not one")
     workdir = output / "vllm"
+    method = served_method(drafter_dir)
     drafter = export_for_vllm(drafter_dir, workdir / "drafter", speculative_tokens)
     log.info("vLLM %s (%s): offline runs", engine.version, engine.python)
     offline_runs = offline(engine, target, drafter, prompts, max_new_tokens, speculative_tokens, workdir,
-                           sample_specs(temperatures, samples, len(prompts), speculative_tokens))
+                           sample_specs(temperatures, samples, len(prompts), speculative_tokens), method)
     sweeps = served(engine, target, drafter, prompts, max_new_tokens, speculative_tokens, levels, workdir,
-                    startup_timeout, request_timeout) if levels else {}
-    return rows(engine, offline_runs, sweeps, len(prompts))
+                    startup_timeout, request_timeout, method) if levels else {}
+    return rows(engine, offline_runs, sweeps, len(prompts), method)

@@ -228,10 +228,11 @@ def engine_args(max_model_len: int, target: str | Path | None = None, device_typ
     return args
 
 
-def speculative_config(drafter: str | Path, num_speculative_tokens: int, device_type: str = "cpu") -> dict[str, Any]:
-    """vLLM's `speculative_config` for an exported drafter; a P-EAGLE export (`parallel_drafting` in its
-    config.json) is served with `parallel_drafting: true`."""
-    config = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+def speculative_config(drafter: str | Path, num_speculative_tokens: int, device_type: str = "cpu",
+                       method: str = "eagle3") -> dict[str, Any]:
+    """vLLM's `speculative_config` for an exported drafter (`method`: eagle3, or dflash for a DFlash drafter); a
+    P-EAGLE export (`parallel_drafting` in its config.json) is served with `parallel_drafting: true`."""
+    config = {"method": method, "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
     exported = Path(drafter) / "config.json"
     if exported.is_file() and json.loads(exported.read_text()).get("parallel_drafting"):  # a P-EAGLE export
         config["parallel_drafting"] = True

@@ -29,7 +29,8 @@ class Config:
     prompt: str = option("", "the user message")
     chat: bool = option(True, "wrap the prompt in the tokenizer's chat template (when it has one)")
     max_new_tokens: int = option(128, "tokens to generate at most")
-    method: str = option("tree", "decoding method", choices=("tree", "chain", "plain"))
+    method: str = option("tree", "decoding method (parallel: a P-EAGLE drafter's chain, dflash: a DFlash drafter's "
+                               "block)", choices=("tree", "chain", "plain", "parallel", "dflash"))
     temperature: float = option(0.0, "0 = greedy; > 0 samples with the speculative-sampling rule "
                                      "(output follows the target)")
     top_p: float = option(1.0, "nucleus sampling threshold (1 = off)")

@@ -45,7 +45,8 @@ class Config:
     drafter: str = option(
         "", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics"
     )
-    method: str = option("tree", "with drafter: speculative decoding method", choices=("tree", "chain"))
+    method: str = option("tree", "with drafter: speculative decoding method (parallel: P-EAGLE, dflash: DFlash "
+                                 "drafters)", choices=("tree", "chain", "parallel", "dflash"))
     chain_length: int = option(
         DecodeOptions.chain_length, "with drafter, method=chain: draft tokens per target forward"
     )
