@@ -44,7 +44,10 @@ Parts
 - peer:     benchmarks/peer_speculators.py on the pipeline's run: a drafter trained by vLLM's speculators
             on the same shards, vocabulary, split, shape and steps, both evaluated and benched the same way.
 - variant:  a second drafter trained by the run's own train stage with `--variant` options changed (default
-            `fc_norm=true,norm_output=true`: EAGLE 3.1) and benched on the same prompts.
+            `fc_norm=true,norm_output=true`: EAGLE 3.1) and benched on the same prompts. Another drafter type
+            (`--variant drafter_type=dflash,block_size=8,draft_layers=2`: a DFlash drafter on the store's layers)
+            trains into <work>/variant-dflash, is benched with its own methods (dflash: chain_length =
+            block_size - 1) and writes <out>/variant_dflash.json.
 - step_cost: benchmarks/step_cost.py: 8B-shaped step costs (random weights) with the bench's tau projected.
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
 """
@@ -161,23 +164,28 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
     from eaglekit.stages import train as train_stage
     from eaglekit.stages.run import Config, plan
 
+    from eaglekit.decode.methods import METHODS_OF_TYPE
+
     run = work / "run"
     steps = {s.name: s for s in plan(load_config(Config, run / "run.yaml", {"out": str(run),
                                                                                "stages": ["regen", "extract", "vocab", "train", "bench"]}))}
-    variant_dir = work / "variant"
     options = parse_overrides(variant.split(","))
+    kind = str(options.get("drafter_type", "eagle3"))  # another drafter type: its own folder and JSON, its methods
+    variant_dir, name = (work / "variant", "variant.json") if kind == "eagle3" else (work / f"variant-{kind}", f"variant_{kind}.json")
     train_config = steps["train"].make_config()  # validated like a command line: an unknown option is one error
     train_config = load_config(type(train_config), None, {**to_dict(train_config), **options, "output": str(variant_dir / "train")})
     log(f"training the variant drafter ({variant})")
     trained = train_stage.run(train_config)
     bench_config = steps["bench"].make_config()
-    methods = tuple(m for m in (bench_methods.split(",") if bench_methods else bench_config.methods) if m in ("chain", "tree"))
+    allowed = METHODS_OF_TYPE[kind]
+    methods = tuple(m for m in (bench_methods.split(",") if bench_methods else bench_config.methods) if m in allowed) or allowed
+    chain = {"chain_length": int(options.get("block_size", 16)) - 1} if kind == "dflash" else {}  # the whole block
     bench_config = load_config(type(bench_config), None, {
         **to_dict(bench_config), "drafter": str(variant_dir / "train"), "output": str(variant_dir / "bench"),
-        "methods": list(methods), **({"repeats": bench_repeats} if bench_repeats else {})})
+        "methods": list(methods), **chain, **({"repeats": bench_repeats} if bench_repeats else {})})
     rows = bench_stage.run(bench_config)["rows"]
     base = json.loads((run / "train" / "manifest.json").read_text())
-    atomic_write_json(out / "variant.json", {
+    atomic_write_json(out / name, {
         "benchmark": "drafter_variant", "variant": options, "environment": environment(),
         "baseline": {"val": base.get("val"), "steps": base.get("steps"), "drafter": str(run / "train")},
         "trained": {"val": trained.get("val"), "steps": trained.get("steps"), "drafter": str(variant_dir / "train")},
