@@ -40,8 +40,11 @@ def _check(config: Any, world: int) -> None:
     if config.device_map:
         import importlib.util
 
+        from eaglekit.extras import install_hint
+
         if importlib.util.find_spec("accelerate") is None:
-            raise EaglekitError(f"device_map={config.device_map} needs the accelerate package: pip install accelerate")
+            raise EaglekitError(f"device_map={config.device_map} needs the `accelerate` package, which is not "
+                                f"installed: {install_hint('accelerate')}")
     if config.ttt_steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
         raise EaglekitError("ttt_steps, batch_size and grad_accum must be at least 1")
     if config.init_std < 0:
