@@ -10,8 +10,10 @@ a step's cost does not depend on the weights' values, only on the shapes.
 - `plain`: decode-phase milliseconds per token of eaglekit's plain fast path (static KV cache, compiled,
   CUDA graphs; the prefill excluded), with the target's fused q/k/v and gate/up GEMMs and with the separate
   projections; tokens/s as a fraction of the bound (model bytes / copy bandwidth measured in this run).
-- `steps`: per speculative shape (chain k = 3, 4, 7; tree depth 6, top-k 8, 48 and 60 nodes) the fused
-  step's milliseconds (`decode/fused.py`: one CUDA graph a step) and its ratio to a plain step.
+- `steps`: per speculative shape (chain k = 3, 4, 7; tree depth 6, top-k 8, 48 and 60 nodes; P-EAGLE parallel
+  chains k = 4, 7, drafted in one drafter forward) the fused step's milliseconds (`decode/fused.py`: one CUDA graph
+  a step) and its ratio to a plain step. The drafter is a random P-EAGLE one (an EAGLE-3 drafter with
+  `mask_hidden`): chains and trees draft with it as with any EAGLE-3 drafter.
 - `parts`: for the shapes named by `--parts`, each part of a step compiled and timed on its own at the
   same shapes: draft (the drafter's levels), verify forward (the target over the step's nodes),
   verification (greedy path), KV compaction (the accepted path's entries kept), drafter extend;
@@ -44,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_speed import SHAPE_8B, SHAPE_REFERENCE, SHAPE_SMOKE, build_model, copy_bandwidth, random_drafter  # noqa: E402
 from eaglekit.decode import Decoder, graphs  # noqa: E402
-from eaglekit.decode.engine import DecodeOptions, decode_loop, draft_size, grow_tree  # noqa: E402
+from eaglekit.decode.engine import DecodeOptions, decode_loop, draft_size  # noqa: E402
+from eaglekit.decode.methods import speculative_method  # noqa: E402
+from eaglekit.decode_options import CHAIN_METHODS  # noqa: E402
 from eaglekit.decode.fused import tree_mask  # noqa: E402
 from eaglekit.decode.static import StaticDrafter, StaticTarget  # noqa: E402
 from eaglekit.decode.verify import greedy_path  # noqa: E402
@@ -56,8 +60,11 @@ SHAPES = {
     "chain7": dict(method="chain", chain_length=7),
     "tree48": dict(method="tree", depth=6, tree_top_k=8, total_tokens=48),
     "tree60": dict(method="tree", depth=6, tree_top_k=8, total_tokens=60),
+    "parallel4": dict(method="parallel", chain_length=4),  # P-EAGLE: the chain drafted in one drafter forward
+    "parallel7": dict(method="parallel", chain_length=7),
 }
-DEFAULT_SHAPE = {"chain": "chain4", "tree": "tree48"}  # the shapes `eaglekit bench` measures by default
+# the shapes `eaglekit bench` measures by default (parallel: at bench's default chain_length)
+DEFAULT_SHAPE = {"chain": "chain4", "tree": "tree48", "parallel": "parallel4"}
 MODEL_SHAPES = {"8b": SHAPE_8B, "reference": SHAPE_REFERENCE}
 # DeepSeek-V3's MLA ranks and per-head dims (its drafter's too), with the heads of the target the drafter serves
 MLA_FIELDS = dict(drafter_arch="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -132,7 +139,8 @@ def step_parts(model, drafter, prompt: list[int], shape: dict, compile_: bool, r
     capacity = len(prompt) + 4 * nodes
     aux_layers = tuple(drafter.config.aux_layer_ids)
     target = StaticTarget(model, capacity, aux_layers, compile=compile_)
-    slots = options.chain_length if options.method == "chain" else options.depth * options.tree_top_k
+    slots = options.chain_length if options.method in CHAIN_METHODS else options.depth * options.tree_top_k
+    grow = speculative_method(options.method).grow  # EAGLE-3 levels, or P-EAGLE's one forward
     backend = StaticDrafter(drafter, capacity, slots, compile=compile_)
     n = len(prompt)
     ids = torch.tensor(prompt, device=device)
@@ -144,7 +152,7 @@ def step_parts(model, drafter, prompt: list[int], shape: dict, compile_: bool, r
     root = (hidden[-1].clone(), draft_logits[-1].clone(), token.clone())
 
     def draft_part():
-        tree, ancestors = grow_tree(graphs.GraphSteps(backend, m), drafter, *root, m, options, vocab, None)
+        tree, ancestors = grow(graphs.GraphSteps(backend, m), drafter, *root, m, options, vocab, None)
         return tree.tokens, tree.parents, tree.depths, ancestors
     tokens, parents, depths, ancestors = (x.clone() for x in draft_part())
     offsets = torch.arange(nodes, device=device)
@@ -207,7 +215,7 @@ def mla_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repea
     mla = random_drafter(model, device, dtype, **MLA_FIELDS)
     decoder = Decoder(model, mla, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
     steps = {}
-    for name in DEFAULT_SHAPE.values():
+    for name in (DEFAULT_SHAPE["chain"], DEFAULT_SHAPE["tree"]):  # vLLM's MLA drafter takes no parallel drafting
         ms = step_ms(decoder, prompt, new_tokens, SHAPES[name], repeats)
         steps[name] = {"options": SHAPES[name], "step_ms": ms, "ratio_to_plain": ms / base}
     level = {}
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20, help="parts: back-to-back calls per timed repeat")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="speculative shapes to time (of: " + ", ".join(SHAPES) + ")")
-    parser.add_argument("--parts", default="chain4,tree48", help="shapes whose step is also split into parts ('' = none)")
+    parser.add_argument("--parts", default="chain4,tree48,parallel4", help="shapes whose step is also split into parts ('' = none)")
     parser.add_argument("--reference-bench", default="", help="a reference target's bench.json: project its tau to this shape")
     parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="8b", help="the target's shape (random weights)")
     parser.add_argument("--profile", action="store_true", help="kernel time by kind of plain and the default steps")
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     graphs.PREFILL_OPTIONS = {**graphs.PREFILL_OPTIONS, "backend": "eager"}  # not timed: traced, not compiled
     graphs.PREFILL_OPTIONS.pop("mode", None)
     model = build_model(shape, device, dtype)
-    drafter = random_drafter(model, device, dtype)
+    drafter = random_drafter(model, device, dtype, drafter_type="p-eagle", mask_token_id=model.config.vocab_size - 1)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(device, 64 if args.smoke else 2048, args.repeats)
     bound = bandwidth / model_bytes
@@ -328,7 +336,9 @@ def main(argv: list[str] | None = None) -> dict:
     steps = {name: step["step_ms"] for name, step in result["steps"].items()}
     result["goals"] = {"plain>=0.75_of_bound": result["plain_fraction_of_bound"]["fused_projections"] >= 0.75,
                        "chain_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items() if k.startswith("chain")),
-                       "tree_step<=1.35x_plain": all(v / base <= 1.35 for k, v in steps.items() if k.startswith("tree"))}
+                       "tree_step<=1.35x_plain": all(v / base <= 1.35 for k, v in steps.items() if k.startswith("tree")),
+                       "parallel_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items()
+                                                         if k.startswith("parallel"))}
     if args.reference_bench:
         result["projection"] = projection(args.reference_bench, base, steps)
     result["complete"] = True

@@ -23,7 +23,7 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
         {"method": "chain", "temperature": 0.0, "tokens_per_second": 180.0, "tau": 3.0}]}))
     step_cost = load("step_cost")
     out = tmp_path / "step_cost.json"
-    result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4", "--parts", "chain4",
+    result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4,parallel4", "--parts", "chain4",
                              "--repeats", "1", "--calls", "2", "--reference-bench", str(bench), "--profile", "--mla"])
     written = json.loads(out.read_text())
     assert written["complete"] and written["steps"] == result["steps"]
@@ -38,7 +38,8 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert set(result["plain_step_ms"]) == {"fused_projections", "separate_projections"}
     profile = result["profile"]["chain4"]  # no GPU kernels on the CPU: the walls and step counts only
     assert profile["steps"] >= 1 and profile["wall_ms_per_step"] > 0
-    assert set(result["profile"]) == {"plain", "chain4", "plain_gemm_bandwidth_fraction"}
+    assert set(result["profile"]) == {"plain", "chain4", "parallel4", "plain_gemm_bandwidth_fraction"}
+    assert result["steps"]["parallel4"]["options"] == {"method": "parallel", "chain_length": 4}  # P-EAGLE's step
     mla = result["mla"]
     assert set(mla["steps"]) == {"chain4", "tree48"} and mla["drafter"]["drafter_arch"] == "mla"
     assert all(v > 0 for v in mla["draft_level_ms_eager"].values())
