@@ -77,13 +77,13 @@ def test_sampled_dflash_keeps_the_targets_distribution() -> None:
     target = tiny_target("llama")
     decoder = Decoder(target, dflash_for(target, draft_vocab=VOCAB))
     plain, speculative, accepted = [], [], 0
-    for seed in range(160):
+    for seed in range(100):
         prompt = PROMPTS[seed % 2]
         plain.append(decoder.generate(prompt, 3, method="plain", temperature=1.0, seed=seed).tokens)
         result = decoder.generate(prompt, 3, method="dflash", chain_length=2, temperature=1.0, seed=10_000 + seed)
         speculative.append(result.tokens[:3])
         accepted += sum(result.stats.accepted)
-    assert accepted > 10
+    assert accepted > 30
     assert compare(plain, speculative)["matches_plain"]
 
 

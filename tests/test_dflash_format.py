@@ -95,6 +95,17 @@ def test_export_and_import_stages_round_trip_a_dflash_drafter(tmp_path):
                                                          "output": str(tmp_path / "sglang")}))
 
 
+def test_vllm_bench_refuses_more_drafts_than_the_block(tmp_path):
+    from eaglekit.interop.vllm_bench import export_for_vllm, served_method
+
+    drafter().save_pretrained(tmp_path / "drafter")
+    assert served_method(str(tmp_path / "drafter")) == "dflash"
+    with pytest.raises(EaglekitError, match="block_size 4: at most 3"):
+        export_for_vllm(str(tmp_path / "drafter"), tmp_path / "out", speculative_tokens=4)
+    export_for_vllm(str(tmp_path / "drafter"), tmp_path / "out", speculative_tokens=3)
+    assert json.loads((tmp_path / "out/config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window or causal"),
     ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 3], "causal": True}}, "sliding-window or causal"),

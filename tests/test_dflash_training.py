@@ -107,6 +107,18 @@ def test_offline_from_a_store_of_its_layers_equals_online(chat_target, data_file
     stage.run(options(chat_target, data_file, tmp_path / "tuned", max_steps=1, init_from=str(tmp_path / "off"),
                       data=[], shards=good))
     assert load_saved_drafter(tmp_path / "tuned").config.target_layer_ids == (1, 2)
+    # ... or from vLLM's layout without lm_head (a published checkpoint): the target's lm_head fills it
+    from eaglekit.interop.dflash_format import export_dflash
+
+    export_dflash(load_saved_drafter(tmp_path / "off"), tmp_path / "vllm", "vllm")
+    state = load_file(str(tmp_path / "vllm/model.safetensors"))
+    state.pop("lm_head.weight")
+    from safetensors.torch import save_file
+
+    save_file(state, str(tmp_path / "vllm/model.safetensors"))
+    stage.run(options(chat_target, data_file, tmp_path / "tuned2", max_steps=1, init_from=str(tmp_path / "vllm"),
+                      data=[], shards=good))
+    assert bool(load_saved_drafter(tmp_path / "tuned2").lm_head.weight.any())
 
 
 def test_bad_dflash_options_are_refused(chat_target, data_file, tmp_path):
