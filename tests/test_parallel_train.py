@@ -4,6 +4,7 @@ vLLM's and speculators' layouts (`mask_hidden`, the parallel-drafting token) wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -105,3 +106,33 @@ def test_published_checkpoint_imports_and_a_missing_token_is_refused(tmp_path) -
     (tmp_path / "config.json").write_text(json.dumps({**config, "pard_token": 5}))
     drafter = import_checkpoint(tmp_path)
     assert drafter.config.drafter_type == "p-eagle" and drafter.config.mask_token_id == 5
+
+
+def test_run_benches_the_trained_types_methods(chat_target, run_prompts, tmp_path) -> None:
+    from eaglekit.stages.run import plan
+    from test_run import tiny_run
+
+    def bench_methods(**extra) -> tuple[str, ...]:
+        steps = {s.name: s for s in plan(tiny_run(chat_target, run_prompts, tmp_path, **extra))}
+        return steps["bench"].make_config().methods
+
+    assert bench_methods(train__drafter_type="p-eagle", bench__methods=["plain", "parallel"]) == ("plain", "parallel")
+    config = tiny_run(chat_target, run_prompts, tmp_path, train__drafter_type="p-eagle")
+    default = {s.name: s for s in plan(dataclasses.replace(config, bench=type(config.bench)()))}
+    assert default["bench"].make_config().methods == ("plain", "parallel", "chain", "tree")
+
+
+def test_doctor_reads_the_served_drafter_types_from_the_engine_source(tmp_path) -> None:
+    from eaglekit.interop.drafter_types import drafter_type_support
+    from eaglekit.interop.engine_source import DirectorySource
+
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    (models / "llama_eagle3.py").write_text("class Eagle3LlamaForCausalLM:\n    pass\n")  # a release before P-EAGLE
+    source = DirectorySource("vllm", tmp_path)
+    assert drafter_type_support(source, "vllm", "eagle3")["served"]
+    before = drafter_type_support(source, "vllm", "p-eagle")
+    assert not before["served"] and "lacks" in before["evidence"]
+    (models / "llama_eagle3.py").write_text('class Eagle3LlamaForCausalLM:\n    buffer = "mask_hidden"\n')
+    assert drafter_type_support(source, "vllm", "p-eagle")["served"]
+    assert not drafter_type_support(source, "sglang", "p-eagle")["served"]

@@ -45,6 +45,8 @@ class Config:
     fix_output: str = option("eaglekit-plugins", "directory the --fix plugin package is written under")
     overwrite: bool = option(False, "--fix: write the plugin's project folder even where something other than an "
                                     "earlier --fix wrote it")
+    drafter_type: str = option("", "with --engine: also say whether that engine release serves this drafter type",
+                               choices=("", "eagle3", "p-eagle", "dflash"))
     json: bool = option(False, "print the report as JSON")
     trust_remote_code: bool = option(False, "target report: allow the target's own modelling code")
 
@@ -79,7 +81,15 @@ def run(config: Config) -> dict[str, Any]:
             report["plugin_written"] = str(write_vllm_plugin(report, config.fix_output, config.overwrite))
         except EaglekitError as error:  # print the report that explains why first
             fix_error = error
+    if config.drafter_type:
+        from eaglekit.interop.drafter_types import drafter_type_support, format_support
+        from eaglekit.interop.engine_source import open_source
+
+        report["drafter_type"] = drafter_type_support(open_source(config.engine, config.engine_source), config.engine,
+                                                      config.drafter_type)
     print(json.dumps(report, indent=2, default=str) if config.json else format_report(report))
+    if config.drafter_type and not config.json:
+        print(format_support(report["drafter_type"], config.engine))
     if fix_error is not None:
         raise fix_error
     if config.fix and report["verdict"] == "supported":

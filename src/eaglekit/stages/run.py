@@ -256,7 +256,7 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
             log.warning("bench: no bench.prompts given, measuring on the training prompts %s (acceptance reads high); "
                         "set bench.prompts to prompts the drafter never saw", prompts)
         bench = stage_config(config, "bench", target=config.target, drafter=drafter, output=str(out / "bench"))
-        bench = dataclasses.replace(bench, prompts=prompts)
+        bench = dataclasses.replace(bench, prompts=prompts, methods=_bench_methods(config, bench))
         steps.append(Step("bench", out / "bench", lambda: bench, _execute("bench"), ("train",), (*target, prompts),
                           ("bench.json",)))
     if "export" in stages:
@@ -275,6 +275,17 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
             steps.append(Step(f"doctor-{engine}", folder, (lambda c=doctor: c), _doctor_step(folder),
                               (), target, ("doctor.json",)))
     return steps
+
+
+def _bench_methods(config: Config, bench: Any) -> tuple[str, ...]:
+    """The bench section's methods, or for a drafter type other than eagle3 left at the default: plain and every
+    method that type drafts (p-eagle: parallel, chain, tree side by side in the report; dflash: dflash)."""
+    from eaglekit.decode.methods import METHODS_OF_TYPE
+
+    kind = config.train.drafter_type
+    if kind == "eagle3":
+        return bench.methods
+    return _inherit(bench, _bench.Config(), "methods", ("plain", *METHODS_OF_TYPE[kind]))
 
 
 def _doctor_target(target: str) -> str:
