@@ -23,6 +23,8 @@ a step's cost does not depend on the weights' values, only on the shapes.
   inductor kernels), with the GEMMs' achieved bandwidth and the GPU's idle time within a step.
 - `mla` (with `--mla`): steps with an MLA drafter (DeepSeek-V3's latent ranks and head dims at this width),
   which decode through the eager drafter loop (no static MLA step), and one draft level of each drafter.
+- `dflash` (with `--dflash 4,7,15`): steps with a random DFlash drafter (`--dflash-layers`, 5 by default) drafting
+  k tokens a step in one block forward (eager drafter over the static target), and that block forward alone.
 - `projection` (with `--reference-bench`): the speed-up at this shape that a drafter with the reference
   target's measured tau would give, tau x plain step / speculative step, beside the reference target's
   own measured speed-up. A projection, not a measurement: it assumes the same acceptance at this shape.
@@ -235,6 +237,53 @@ def mla_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repea
             "draft_level_ms_eager": level}
 
 
+def random_dflash(model, device: torch.device, dtype: torch.dtype, layers: int, block_size: int = 16):
+    """A random-weight DFlash drafter of the target's width: `layers` layers, context from as many target layers."""
+    from eaglekit.draft.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+
+    c = model.config
+    config = DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                          num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                          num_hidden_layers=layers, vocab_size=c.vocab_size, draft_vocab_size=min(32000, c.vocab_size),
+                          target_hidden_size=c.hidden_size, mask_token_id=0, block_size=block_size,
+                          target_layer_ids=default_target_layer_ids(c.num_hidden_layers, layers),
+                          head_dim=getattr(c, "head_dim", None), rope_parameters=dict(c.rope_parameters))
+    drafter = DFlashDrafter(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    drafter.set_vocab_mapping(torch.arange(config.draft_vocab_size))
+    return drafter
+
+
+def dflash_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repeats: int, base: float,
+                   layers: int, lengths: tuple[int, ...]) -> dict:
+    """Steps with a DFlash drafter (its eager block forward over the static target: no static DFlash step yet) at
+    each chain length k, and the drafting part alone: one block of k + 1 queries over the context."""
+    from eaglekit.decode.dflash import DFlashDrafterBackend
+
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    drafter = random_dflash(model, device, dtype, layers, block_size=max(lengths) + 1)
+    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
+    steps, draft = {}, {}
+    context = torch.randn(len(prompt) + new_tokens // 2, len(drafter.config.target_layer_ids) * model.config.hidden_size,
+                          device=device, dtype=dtype)
+    backend = DFlashDrafterBackend(drafter)
+    with torch.inference_mode():
+        backend.extend(context, torch.zeros(context.shape[0], dtype=torch.long, device=device),
+                       torch.arange(context.shape[0], device=device))
+    for k in lengths:
+        options = {"method": "dflash", "chain_length": k}
+        ms = step_ms(decoder, prompt, new_tokens, options, repeats)
+        steps[f"dflash{k}"] = {"options": options, "step_ms": ms, "ratio_to_plain": ms / base}
+
+        def once():
+            with torch.inference_mode():
+                backend.block_logits(torch.tensor(1, device=device), context.shape[0], k)
+        draft[f"dflash{k}"] = call_ms(once, device, repeats, 10)
+    return {"drafter": {"layers": layers, "target_layer_ids": list(drafter.config.target_layer_ids),
+                        "block_size": drafter.config.block_size},
+            "path": "eager DFlash drafter (block forward) over the static target; no fused step", "steps": steps,
+            "draft_ms_eager": draft, "context_tokens": context.shape[0]}
+
+
 def projection(reference_bench: str, plain: float, steps: dict[str, float]) -> list[dict]:
     """tau x plain step / speculative step per (method, temperature) row of a reference bench.json."""
     rows = json.loads(Path(reference_bench).read_text())["rows"]
@@ -267,6 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-separate", dest="separate", action="store_false",
                         help="leave out plain decoding with separate q/k/v and gate/up projections")
     parser.add_argument("--mla", action="store_true", help="also time steps with an MLA drafter (eager drafter loop)")
+    parser.add_argument("--dflash", default="", metavar="K,K,...",
+                        help="also time steps with a random DFlash drafter drafting K tokens a step (e.g. 4,7,15)")
+    parser.add_argument("--dflash-layers", type=int, default=5, help="--dflash: the drafter's layers (published: 5)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -333,6 +385,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mla:
         result["mla"] = mla_figures(model, prompt, new_tokens, compile_, args.repeats, base)
         save()
+    if args.dflash:
+        lengths = tuple(int(k) for k in args.dflash.split(","))
+        result["dflash"] = dflash_figures(model, prompt, new_tokens, compile_, args.repeats, base, args.dflash_layers,
+                                          lengths)
+        save()
     steps = {name: step["step_ms"] for name, step in result["steps"].items()}
     result["goals"] = {"plain>=0.75_of_bound": result["plain_fraction_of_bound"]["fused_projections"] >= 0.75,
                        "chain_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items() if k.startswith("chain")),
@@ -386,6 +443,12 @@ def markdown(result: dict) -> str:
                   + ", ".join(f"{n} {v['step_ms']:.3f} ms = {v['ratio_to_plain']:.3f}x plain" for n, v in mla["steps"].items())
                   + "; one draft level (eager, ms): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in mla["draft_level_ms_eager"].items())]
+    if result.get("dflash"):
+        dflash = result["dflash"]
+        lines += ["", f"DFlash drafter, {dflash['drafter']['layers']} layers ({dflash['path']}): "
+                  + ", ".join(f"{n} {v['step_ms']:.3f} ms = {v['ratio_to_plain']:.3f}x plain" for n, v in dflash["steps"].items())
+                  + "; the block forward alone (eager, ms): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in dflash["draft_ms_eager"].items())]
     return "\n".join(lines) + "\n"
 
 

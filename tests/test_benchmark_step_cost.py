@@ -24,7 +24,8 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     step_cost = load("step_cost")
     out = tmp_path / "step_cost.json"
     result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4,parallel4", "--parts", "chain4",
-                             "--repeats", "1", "--calls", "2", "--reference-bench", str(bench), "--profile", "--mla"])
+                             "--repeats", "1", "--calls", "2", "--reference-bench", str(bench), "--profile", "--mla",
+                             "--dflash", "2", "--dflash-layers", "1"])
     written = json.loads(out.read_text())
     assert written["complete"] and written["steps"] == result["steps"]
     plain = result["plain_step_ms"]["fused_projections"]
@@ -43,8 +44,11 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     mla = result["mla"]
     assert set(mla["steps"]) == {"chain4", "tree48"} and mla["drafter"]["drafter_arch"] == "mla"
     assert all(v > 0 for v in mla["draft_level_ms_eager"].values())
+    dflash = result["dflash"]  # a DFlash drafter's step: one block forward drafts the chain
+    assert set(dflash["steps"]) == {"dflash2"} and dflash["steps"]["dflash2"]["step_ms"] > 0
+    assert dflash["draft_ms_eager"]["dflash2"] > 0 and dflash["drafter"]["layers"] == 1
     text = (tmp_path / "step_cost.md").read_text()
-    assert "| chain4 |" in text and "MLA drafter" in text
+    assert "| chain4 |" in text and "MLA drafter" in text and "DFlash drafter" in text
 
 
 def test_step_cost_cut_off_keeps_the_figures_it_measured(tmp_path, monkeypatch):
