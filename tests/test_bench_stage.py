@@ -166,3 +166,15 @@ def test_warm_up_covers_every_prompt_for_eaglekits_methods():
             calls.clear()
             bench._measure(runner, method, 0.0, prompts, config)
             assert len(calls) == count, (method, warmup)
+
+
+def test_bench_logs_one_readable_line_per_row():
+    row = {"method": "chain", "temperature": 0.0, "new_tokens": 128, "seconds": 25.675063670000327,
+           "tokens_per_second": 4.985381989512253, "ms_per_token": 200.58643492187755, "tau": 1.4772727272727273,
+           "acceptance_per_position": [0.32954545454545453, 0.0795454545454545, 0.0]}
+    assert bench.row_summary(row) == ("bench: chain at T=0: tau 1.48, 5.0 tokens/s (200.6 ms/token), "
+                                      "acceptance per position 0.33 0.08 0.00")
+    assert bench.row_summary({"method": "plain", "temperature": 1.0, "tokens_per_second": None}) == (
+        "bench: plain at T=1: no tokens generated")
+    assert bench.row_summary({"method": "tree", "temperature": 0.0, "error": "RuntimeError: x"}) == (
+        "bench: tree at T=0 failed: RuntimeError: x")

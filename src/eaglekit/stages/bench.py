@@ -200,6 +200,19 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def row_summary(row: dict[str, Any]) -> str:
+    """One readable line for a bench row (bench.json keeps every field): method, T, tau, speed, acceptance."""
+    head = f"bench: {row['method']} at T={row['temperature']:g}"
+    if "error" in row:
+        return f"{head} failed: {row['error']}"
+    parts = [f"tau {row['tau']:.2f}"] if "tau" in row else []
+    if row.get("tokens_per_second"):
+        parts.append(f"{row['tokens_per_second']:.1f} tokens/s ({row['ms_per_token']:.1f} ms/token)")
+    if row.get("acceptance_per_position"):
+        parts.append("acceptance per position " + " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]))
+    return f"{head}: " + (", ".join(parts) or "no tokens generated")
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     from eaglekit.report import bench_markdown, vllm_checks_markdown
 
@@ -256,7 +269,7 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
             except Exception as error:  # noqa: BLE001 - one failing method must not lose the others' figures
                 log.exception("bench: %s at T=%g failed", method, temperature)
                 rows.append({"method": method, "temperature": temperature, "error": f"{type(error).__name__}: {error}"})
-            log.info("%s", rows[-1])
+            log.info("%s", row_summary(rows[-1]))
             atomic_write_json(output / "bench.json", result)  # an interrupted bench keeps the rows measured so far
 
 
