@@ -18,6 +18,7 @@ PYTHONPATH (`eaglekit.interop.vllm_capture` sets both).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -42,7 +43,10 @@ class EaglekitHiddenStatesConnector(ExampleHiddenStatesConnector):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
         if params.get("save", True) is False:
-            self._request_filenames.pop(request.request_id, None)
+            filename = self._request_filenames.pop(request.request_id, None)
+            if filename is not None:  # the lock a writer would have held: no file comes, none is left behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(filename + ".lock")
             return False, None
         return super().request_finished(request, block_ids)
 

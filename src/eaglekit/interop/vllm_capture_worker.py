@@ -75,14 +75,17 @@ def file_complete(path: str) -> bool:
 
 def build_llm(job: dict):
     from vllm import LLM
+    from vllm.platforms import current_platform
 
     args = dict(job["engine_args"])
+    locks = current_platform.is_cuda_alike()  # only the asynchronous CUDA write needs a lock per file
     args["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": job["layer_ids"]}}}
     args["kv_transfer_config"] = {"kv_connector": "EaglekitHiddenStatesConnector", "kv_role": "kv_producer",
                                   "kv_connector_module_path": "vllm_capture_connector",
-                                  "kv_connector_extra_config": {"shared_storage_path": job["spool"]}}
+                                  "kv_connector_extra_config": {"shared_storage_path": job["spool"],
+                                                                "use_synchronization_lock": locks}}
     return LLM(model=job["model"], **args)
 
 
