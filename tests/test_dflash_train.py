@@ -91,3 +91,20 @@ def test_block_forward_matches_naive_reference(block_size: int) -> None:
     assert torch.equal(fast.accuracy_counts, naive.accuracy_counts)
     fast.loss.backward()
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_flex_block_mask_gives_the_boolean_masks_loss() -> None:
+    """attention=flex (the block mask, compiled on CUDA) equals SDPA with the boolean mask (forward: the CPU has no
+    flex backward)."""
+    drafter = tiny_dflash(block_size=4)
+    b, t, v = 2, 11, drafter.config.vocab_size
+    ids = torch.randint(0, v - 1, (b, t))
+    loss_mask = torch.rand(b, t) > 0.3
+    aux = torch.randn(b, t, 2 * drafter.config.target_hidden_size)
+    probs, in_vocab = soft_labels(torch.randn(b, t, v) * 3, drafter.t2d)
+    anchors, valid = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dense = block_forward(drafter, aux, ids, loss_mask, probs, in_vocab, anchors, valid, 0.9)
+        flex = block_forward(drafter, aux, ids, loss_mask, probs, in_vocab, anchors, valid, 0.9, attention="flex")
+    torch.testing.assert_close(flex.loss_sums, dense.loss_sums, rtol=1e-5, atol=1e-5)
+    assert torch.equal(flex.correct, dense.correct)
