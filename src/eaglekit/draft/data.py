@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from eaglekit.draft.ttt import soft_labels_from_hidden
+from eaglekit.target.output_head import LogitTransform, logit_transform
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
@@ -122,12 +123,12 @@ def pad_stack(tensors: list[torch.Tensor], length: int, fill: float | int | bool
 
 # --- feature sources ----------------------------------------------------------------------------
 class OfflineSource:
-    """Records from extract shards; soft labels = softmax(final @ lm_head.T) over draft columns."""
+    """Records from extract shards; soft labels = softmax(transform(final @ lm_head.T)) over draft columns."""
 
     def __init__(self, dataset: Any, tokens: list[tuple[torch.Tensor, torch.Tensor]], lm_head_weight: torch.Tensor,
-                 t2d: torch.Tensor, max_length: int):
+                 t2d: torch.Tensor, max_length: int, transform: LogitTransform = LogitTransform()):
         self.dataset, self.max_length = dataset, max_length
-        self.lm_head_weight, self.t2d = lm_head_weight, t2d
+        self.lm_head_weight, self.t2d, self.transform = lm_head_weight, t2d, transform
         ids = dataset.ids
         self.order = sorted(range(len(ids)), key=lambda i: ids[i])  # records by id, as OnlineSource: same split
         self.tokens = [tokens[i] for i in self.order]
@@ -143,7 +144,8 @@ class OfflineSource:
         aux = pad_stack([r["aux"] for r in cut], t).to(device, dtype)  # (B, T, 3H)
         final = pad_stack([r["final"] for r in cut], t).to(device)  # (B, T, H)
         weight = self.lm_head_weight.to(device)
-        probs, in_vocab = soft_labels_from_hidden(final.to(weight.dtype), weight, self.t2d.to(device))
+        probs, in_vocab = soft_labels_from_hidden(final.to(weight.dtype), weight, self.t2d.to(device),
+                                                  transform=self.transform)
         return Batch(pad_stack([r["input_ids"] for r in cut], t).to(device),
                      pad_stack([r["loss_mask"] for r in cut], t, False).to(device),
                      aux, probs, in_vocab)
@@ -180,5 +182,6 @@ class OnlineSource:
         weight = self.target.get_output_embeddings().weight  # (V, H)
         aux = self.capture.aux().to(device, dtype)  # (B, T, 3H)
         final = self.capture.final().to(weight.device)  # (B, T, H)
-        probs, in_vocab = soft_labels_from_hidden(final, weight, self.t2d.to(weight.device))
+        probs, in_vocab = soft_labels_from_hidden(final, weight, self.t2d.to(weight.device),
+                                                  transform=logit_transform(self.target.config))
         return Batch(input_ids, loss_mask, aux, probs.to(device), in_vocab.to(device))

@@ -79,6 +79,7 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
     from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, text_config, to_input_convention
     from eaglekit.target.identity import target_config_hash
     from eaglekit.target.loading import load_target, load_target_config, load_tokenizer
+    from eaglekit.target.output_head import logit_transform
 
     _check(config, d.world)
     if d.main:
@@ -132,7 +133,8 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
                          tokenizer_hash=_tokenizer_hash(config), target_config_hash=target_config_hash(target_config))
         # no bf16 matmuls on CPU
         head = head.detach().to(d.device, torch.float32 if d.device.type == "cpu" else head.dtype)
-        source: Any = OfflineSource(dataset, tokens, head, drafter.t2d, config.max_length)
+        source: Any = OfflineSource(dataset, tokens, head, drafter.t2d, config.max_length,
+                                    logit_transform(target_config))
     else:
         capture = stack.enter_context(HiddenStateCapture(target, aux_input))
         source = OnlineSource(records, target, capture, drafter.t2d, config.max_length)

@@ -24,6 +24,7 @@ forward of one drafter step; tests check that both agree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -101,13 +102,17 @@ def soft_labels_from_hidden(
     lm_head_weight: torch.Tensor,  # (V, H) target lm_head
     t2d: torch.Tensor,  # (V,) bool
     chunk_tokens: int = 4096,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`soft_labels(final @ W.T, t2d)` computed over token chunks, never holding all (B*T, V) logits."""
+    """`soft_labels(transform(final @ W.T), t2d)` computed over token chunks, never holding all (B*T, V) logits;
+    `transform`: what the target's forward does to its lm_head output (`eaglekit.target.output_head`)."""
     b, t, h = final.shape
     flat = final.reshape(b * t, h).to(lm_head_weight.dtype)
     probs, in_vocab = [], []
     for start in range(0, b * t, chunk_tokens):
         logits = flat[start : start + chunk_tokens] @ lm_head_weight.T  # (n, V)
+        if transform is not None:
+            logits = transform(logits)
         p, v = soft_labels(logits[None], t2d)
         probs.append(p[0])
         in_vocab.append(v[0])
