@@ -24,7 +24,8 @@ a step's cost does not depend on the weights' values, only on the shapes.
 - `mla` (with `--mla`): steps with an MLA drafter (DeepSeek-V3's latent ranks and head dims at this width),
   which decode through the eager drafter loop (no static MLA step), and one draft level of each drafter.
 - `dflash` (with `--dflash 4,7,15`): steps with a random DFlash drafter (`--dflash-layers`, 5 by default) drafting
-  k tokens a step in one block forward (eager drafter over the static target), and that block forward alone.
+  k tokens a step in one block forward (eager drafter over the static target), and that block forward alone; with
+  `--reference-bench`, its `dflash` rows are projected onto the step of their chain length.
 - `projection` (with `--reference-bench`): the speed-up at this shape that a drafter with the reference
   target's measured tau would give, tau x plain step / speculative step, beside the reference target's
   own measured speed-up. A projection, not a measurement: it assumes the same acceptance at this shape.
@@ -290,12 +291,15 @@ def projection(reference_bench: str, plain: float, steps: dict[str, float]) -> l
     plain_rows = {r["temperature"]: r for r in rows if r["method"] == "plain"}
     out = []
     for row in rows:
-        if row["method"] not in DEFAULT_SHAPE or row.get("tau") is None:
+        shape = DEFAULT_SHAPE.get(row["method"])
+        if row["method"] == "dflash":  # a DFlash row: the step of its chain length, when --dflash timed it
+            shape = f"dflash{len(row.get('acceptance_per_position') or [])}"
+        if shape not in steps or row.get("tau") is None:
             continue
-        spec = steps[DEFAULT_SHAPE[row["method"]]]
+        spec = steps[shape]
         measured = plain_rows.get(row["temperature"])
         out.append({"method": row["method"], "temperature": row["temperature"], "tau": row["tau"],
-                    "shape": DEFAULT_SHAPE[row["method"]], "step_ratio": spec / plain,
+                    "shape": shape, "step_ratio": spec / plain,
                     "projected_speedup": row["tau"] * plain / spec,
                     "reference_measured_speedup": row["tokens_per_second"] / measured["tokens_per_second"] if measured else None})
     return out
@@ -396,6 +400,10 @@ def main(argv: list[str] | None = None) -> dict:
                        "tree_step<=1.35x_plain": all(v / base <= 1.35 for k, v in steps.items() if k.startswith("tree")),
                        "parallel_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items()
                                                          if k.startswith("parallel"))}
+    if result.get("dflash"):
+        dflash_steps = {name: step["step_ms"] for name, step in result["dflash"]["steps"].items()}
+        result["goals"]["dflash_step<=1.15x_plain"] = all(v / base <= 1.15 for v in dflash_steps.values())
+        steps = {**steps, **dflash_steps}
     if args.reference_bench:
         result["projection"] = projection(args.reference_bench, base, steps)
     result["complete"] = True

@@ -20,7 +20,9 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     bench = tmp_path / "bench.json"  # a reference target's bench rows, as `eaglekit bench` writes them
     bench.write_text(json.dumps({"rows": [
         {"method": "plain", "temperature": 0.0, "tokens_per_second": 100.0, "tau": None},
-        {"method": "chain", "temperature": 0.0, "tokens_per_second": 180.0, "tau": 3.0}]}))
+        {"method": "chain", "temperature": 0.0, "tokens_per_second": 180.0, "tau": 3.0},
+        {"method": "dflash", "temperature": 0.0, "tokens_per_second": 150.0, "tau": 2.0,
+         "acceptance_per_position": [0.6, 0.4]}]}))
     step_cost = load("step_cost")
     out = tmp_path / "step_cost.json"
     result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4,parallel4", "--parts", "chain4",
@@ -34,7 +36,10 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     parts = result["parts_ms"]["chain4"]
     assert set(parts) == {"draft", "verify_forward", "verification", "kv_compaction", "drafter_extend", "unattributed"}
     assert all(v > 0 for k, v in parts.items() if k != "unattributed")
-    (row,) = result["projection"]
+    row, dflash_row = result["projection"]
+    assert dflash_row["shape"] == "dflash2" and dflash_row["reference_measured_speedup"] == 1.5
+    assert dflash_row["projected_speedup"] == 2.0 * plain / result["dflash"]["steps"]["dflash2"]["step_ms"]
+    assert "dflash_step<=1.15x_plain" in result["goals"]
     assert row["reference_measured_speedup"] == 1.8 and row["projected_speedup"] == 3.0 * plain / step["step_ms"]
     assert set(result["plain_step_ms"]) == {"fused_projections", "separate_projections"}
     profile = result["profile"]["chain4"]  # no GPU kernels on the CPU: the walls and step counts only
