@@ -128,3 +128,11 @@ def test_bad_dflash_options_are_refused(chat_target, data_file, tmp_path):
         stage.run(options(chat_target, data_file, tmp_path / "b", target_layer_ids="7"))
     with pytest.raises(EaglekitError, match="mask_token_id=99999"):
         stage.run(options(chat_target, data_file, tmp_path / "c", mask_token_id=99999))
+    # a drafter of the other type as init_from: refused both ways, naming the type to pass
+    stage.run(options(chat_target, data_file, tmp_path / "eagle3", drafter_type="eagle3", max_steps=1, ttt_steps=2))
+    stage.run(options(chat_target, data_file, tmp_path / "dflash", max_steps=1))
+    with pytest.raises(EaglekitError, match="is a eagle3 drafter"):
+        stage.run(options(chat_target, data_file, tmp_path / "d", init_from=str(tmp_path / "eagle3")))
+    with pytest.raises(EaglekitError, match="is a dflash drafter: pass drafter_type=dflash"):
+        stage.run(options(chat_target, data_file, tmp_path / "e", drafter_type="p-eagle",
+                          init_from=str(tmp_path / "dflash")))

@@ -124,6 +124,11 @@ def saved_drafter_type(directory: str | Path) -> str:
     """The `drafter_type` an eaglekit drafter directory was saved as ("eagle3", "p-eagle", "dflash"): its
     config.json's `drafter_type`, or "eagle3" for an eaglekit-eagle3 drafter written before that key existed."""
     config_path = Path(directory) / "config.json"
+    if not Path(directory).exists():
+        from eaglekit.target.loading import missing_path_error
+
+        raise missing_path_error(str(directory), "drafter", "give a drafter directory (`eaglekit train` or "
+                                 "`eaglekit import` output)")
     if not config_path.is_file():
         raise EaglekitError(f"{directory}: no config.json there; give a drafter directory (`eaglekit train` or "
                             "`eaglekit import` output)")
@@ -260,6 +265,9 @@ def _prepare_eagle3(options: Any, text_config: Any, aux_layers: tuple[int, ...],
         note = f"from {options.vocab}" if vocab else "built from the training data"
         return drafter, f"{note} (coverage {select_coverage(mapping, count_tokens_fn):.2%})"
     drafter = read_drafter(options.init_from, int(text_config.num_hidden_layers))
+    if drafter_type_of(drafter) == "dflash":  # another model altogether: nothing of it carries over to EAGLE-3
+        raise EaglekitError(f"init_from={options.init_from} is a dflash drafter: pass drafter_type=dflash to "
+                            f"fine-tune it, or drop init_from to train a fresh {options.drafter_type} drafter")
     check_against_target(drafter.config, text_config, options.init_from)
     mla.check_init_from(options, drafter.config, options.init_from)
     lacking = [flag for flag in requested_variant(options) if not getattr(drafter.config, flag)]
