@@ -177,6 +177,17 @@ def test_export_refuses_a_trained_drafters_folder(drafter_dir, tmp_path):
     assert_unchanged(before, tmp_path)
 
 
+def test_a_mistyped_drafter_to_export_or_import_is_named_with_its_sibling(tmp_path):
+    (tmp_path / "train").mkdir()
+    for stage in ("export", "import"):
+        code, stderr = run_main(stage, str(tmp_path / "trian"), "--to", "vllm", f"output={tmp_path / 'out'}",
+                                cwd=tmp_path) if stage == "export" else run_main(
+            stage, str(tmp_path / "trian"), f"output={tmp_path / 'out'}", cwd=tmp_path)
+        assert code == 1
+        one_error(stderr, f"{tmp_path / 'trian'} does not exist (did you mean {tmp_path / 'train'}?)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_target, data, tmp_path, capsys):
     foreign = tmp_path / "photos"
     foreign.mkdir()

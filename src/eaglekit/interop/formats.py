@@ -312,6 +312,10 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 def read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
+    if not directory.exists():
+        from eaglekit.target.loading import missing_path_error
+
+        raise missing_path_error(str(directory), "source", "point `source` at a drafter checkpoint directory")
     if not path.is_file():
         raise EaglekitError(f"{directory} has no config.json; point `source` at a drafter checkpoint directory")
     try:
