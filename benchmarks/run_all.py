@@ -47,7 +47,9 @@ Parts
             `fc_norm=true,norm_output=true`: EAGLE 3.1) and benched on the same prompts. Another drafter type
             (`--variant drafter_type=dflash,block_size=8,draft_layers=2`: a DFlash drafter on the store's layers)
             trains into <work>/variant-dflash, is benched with its own methods (dflash: chain_length =
-            block_size - 1) and writes <out>/variant_dflash.json.
+            block_size - 1) and writes <out>/variant_dflash.json. `--variant drafter_type=p-eagle,ttt_steps=8`:
+            a P-EAGLE drafter fine-tuned from the run's own drafter (init_from=<work>/run/train unless given),
+            benched with methods parallel, chain and tree; <out>/variant_p-eagle.json.
 - step_cost: benchmarks/step_cost.py: 8B-shaped step costs (random weights) with the bench's tau projected.
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
 """
@@ -171,6 +173,8 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
                                                                                "stages": ["regen", "extract", "vocab", "train", "bench"]}))}
     options = parse_overrides(variant.split(","))
     kind = str(options.get("drafter_type", "eagle3"))  # another drafter type: its own folder and JSON, its methods
+    if kind == "p-eagle":  # P-EAGLE's usual recipe: from the run's own EAGLE-3 drafter (its weights and vocabulary)
+        options.setdefault("init_from", str(run / "train"))
     variant_dir, name = (work / "variant", "variant.json") if kind == "eagle3" else (work / f"variant-{kind}", f"variant_{kind}.json")
     train_config = steps["train"].make_config()  # validated like a command line: an unknown option is one error
     train_config = load_config(type(train_config), None, {**to_dict(train_config), **options, "output": str(variant_dir / "train")})
@@ -179,6 +183,8 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
     bench_config = steps["bench"].make_config()
     allowed = METHODS_OF_TYPE[kind]
     methods = tuple(m for m in (bench_methods.split(",") if bench_methods else bench_config.methods) if m in allowed) or allowed
+    if kind == "p-eagle" and not bench_methods:  # its parallel chain beside the EAGLE-3 chain and tree it also drafts
+        methods = ("parallel", *(m for m in methods if m != "parallel"))
     chain = {"chain_length": int(options.get("block_size", 16)) - 1} if kind == "dflash" else {}  # the whole block
     bench_config = load_config(type(bench_config), None, {
         **to_dict(bench_config), "drafter": str(variant_dir / "train"), "output": str(variant_dir / "bench"),
