@@ -466,6 +466,12 @@ def test_report_explains_its_numbers_and_flags_a_drafter_that_learned_nothing(tm
     assert "sum over the 3 draft positions of 0.8^k" in text
     assert "this drafter learned (next to) nothing" in text
     assert "validation accuracy at draft position 1 is 0.000" in text
+    val["acc_k"] = [0.962, 0.962, 0.952]  # right on its data, nothing accepted: not a matter of training longer
+    (out / "train" / "manifest.json").write_text(json.dumps({"stage": "train", "val": val, "drafter_config": drafter,
+                                                             "config": {"step_decay": 0.8}}))
+    text = write_report(out).path.read_text()
+    assert "right in validation but not when decoding" in text and "Training longer will not help" in text
+    assert "learned (next to) nothing" not in text
 
 
 def test_train_warns_when_no_position_has_a_loss(chat_target, data, tmp_path, caplog):

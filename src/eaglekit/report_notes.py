@@ -17,6 +17,7 @@ from typing import Any
 
 LEARNED_NOTHING_ACCURACY = 0.05  # validation accuracy at draft position 1 below this: nothing learned
 LEARNED_NOTHING_TAU = 1.2  # measured tau below this: under one accepted draft token in five target forwards
+TRAINED_ACCURACY = 0.5  # validation accuracy at draft position 1 at or above this: training learned its data
 HEAVY_DRAFTER = 0.05  # a drafting step above this share of a target step makes deep trees cost more than they save
 
 
@@ -87,8 +88,15 @@ def speedup_note(numbers: dict[str, Any], bench: dict[str, Any], target: int | N
 
 
 def learned_nothing(numbers: dict[str, Any]) -> str | None:
-    """A warning when the drafter's predictions are hardly ever right."""
+    """A warning when the drafter's predictions are hardly ever right (or right in validation only)."""
     accuracy, tau = numbers.get("val_accuracy"), numbers.get("tau")
+    if accuracy is not None and accuracy >= TRAINED_ACCURACY and tau is not None and tau < LEARNED_NOTHING_TAU:
+        return (f"**Warning: the drafter is right in validation but not when decoding** — validation accuracy at "
+                f"draft position 1 is {accuracy:.3f}, measured tau {tau:.2f}. Training learned its data, so what the "
+                "target generates here differs from that data: the training answers retokenise into other ids than "
+                "the target emits (compare `eaglekit inspect` of the training data with `eaglekit generate` on one "
+                "prompt), another chat template or system prompt when decoding, or bench prompts unlike the training "
+                "prompts. Training longer will not help.")
     signs = []
     if accuracy is not None and accuracy < LEARNED_NOTHING_ACCURACY:
         signs.append(f"validation accuracy at draft position 1 is {accuracy:.3f}")
