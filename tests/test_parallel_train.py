@@ -136,3 +136,32 @@ def test_doctor_reads_the_served_drafter_types_from_the_engine_source(tmp_path) 
     (models / "llama_eagle3.py").write_text('class Eagle3LlamaForCausalLM:\n    buffer = "mask_hidden"\n')
     assert drafter_type_support(source, "vllm", "p-eagle")["served"]
     assert not drafter_type_support(source, "sglang", "p-eagle")["served"]
+
+
+SPECULATORS_LOADER = """
+import sys
+from speculators.models.peagle import PEagleDraftModel
+model = PEagleDraftModel.from_pretrained(sys.argv[1])
+print(tuple(model.mask_hidden.shape), model.mask_token_id, model.mask_hidden.detach().flatten()[:3].tolist())
+"""
+
+
+@pytest.mark.engine
+def test_speculators_loads_the_peagle_export(tmp_path) -> None:
+    import subprocess
+
+    import engines
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test_interop_formats import make_drafter
+
+    verifier = tmp_path / "verifier"  # speculators reads the verifier's config at from_pretrained
+    LlamaForCausalLM(LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(verifier)
+    drafter = to_parallel(make_drafter(target_name_or_path=str(verifier)), 7, 0)
+    export_drafter(drafter, tmp_path / "spec", "speculators")
+    done = subprocess.run([engines.speculators_python(), "-c", SPECULATORS_LOADER, str(tmp_path / "spec")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = drafter.mask_hidden.detach().flatten()[:3].tolist()
+    assert done.stdout.strip().splitlines()[-1] == f"(1, 1, 96) 7 {expected}"
