@@ -151,11 +151,11 @@ class StaticLlama(nn.Module):
         cos, sin = _rotary_tables(_find_rotary(model), capacity, param.dtype, param.device)
         self.register_buffer("cos", cos, persistent=False)  # (capacity, D)
         self.register_buffer("sin", sin, persistent=False)
-        # a buffer per layer for keys and one for values, written in place with index_copy_: a write through a
-        # view of one all-layer buffer made inductor copy that whole buffer for every layer
         # the position of the token in each cache slot (sliding windows count positions, not slots)
         self.register_buffer("slot_positions", torch.zeros(capacity, dtype=torch.long, device=param.device),
                              persistent=False)
+        # a buffer per layer for keys and one for values, written in place with index_copy_: a write through a
+        # view of one all-layer buffer made inductor copy that whole buffer for every layer
         shape = (1, self.num_kv_heads, capacity, self.head_dim)  # (1, nkv, S, D)
         for i in range(len(self.layers)):
             for kind in ("k", "v"):
