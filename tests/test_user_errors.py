@@ -188,6 +188,26 @@ def test_a_mistyped_drafter_to_export_or_import_is_named_with_its_sibling(tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_a_mistyped_drafter_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    import eaglekit.target.loading
+    from eaglekit.config import load_config
+    from eaglekit.stages import serve
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the drafter path was checked")
+
+    monkeypatch.setattr(eaglekit.target.loading, "load_target", no_loading)
+    (tmp_path / "train").mkdir()
+    missing = f"{tmp_path / 'trian'} does not exist (did you mean {tmp_path / 'train'}?)"
+    for args in (("generate", "x = 1", "target=tiny", f"drafter={tmp_path / 'trian'}"),
+                 ("bench", "tiny-eval", "target=tiny", f"drafter={tmp_path / 'trian'}", f"output={tmp_path / 'b'}")):
+        code, stderr = run_main(*args, cwd=tmp_path)
+        assert code == 1
+        one_error(stderr, missing)
+    with pytest.raises(EaglekitError, match="does not exist"):
+        serve.build_engine(load_config(serve.Config, overrides=["target=tiny", f"drafter={tmp_path / 'trian'}"]))
+
+
 def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_target, data, tmp_path, capsys):
     foreign = tmp_path / "photos"
     foreign.mkdir()

@@ -232,6 +232,10 @@ def _check(config: Config) -> list[str]:
                             "methods=plain,hf,hf_prompt_lookup")
     if config.engine == "vllm" and not config.drafter:
         raise EaglekitError("engine=vllm serves the target with the drafter: pass drafter=DIR")
+    if config.drafter:
+        from eaglekit.decode.setup import check_drafter_path
+
+        check_drafter_path(config.drafter)
     if not methods and config.engine != "vllm":
         raise EaglekitError("no methods to measure: pass methods=plain,chain,... (an empty list only with engine=vllm)")
     if any(level < 1 for level in config.concurrency):

@@ -52,7 +52,7 @@ class Config:
 
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.decode import generate
-    from eaglekit.decode.setup import eos_ids, load_drafter, prompt_ids, resolve_backend
+    from eaglekit.decode.setup import check_drafter_path, eos_ids, load_drafter, prompt_ids, resolve_backend
     from eaglekit.manifest import atomic_write_json, check_output_file, environment
     from eaglekit.runtime import resolve_device, resolve_dtype
     from eaglekit.target.loading import load_target, load_tokenizer
@@ -62,6 +62,8 @@ def run(config: Config) -> dict[str, Any]:
     if config.method != "plain" and not config.drafter:
         raise EaglekitError(f"method={config.method} needs drafter=DIR (a trained or imported "
                             "drafter), or use method=plain")
+    if config.method != "plain":
+        check_drafter_path(config.drafter)
     if config.output:
         check_output_file(config.output, "generate.json")
     device = resolve_device(config.device)

@@ -61,6 +61,10 @@ class Config:
 
 def build_engine(config: Config) -> GenerationEngine:
     """The generation engine behind the server (the in-process target, or speculative with a drafter)."""
+    if config.drafter:
+        from eaglekit.decode.setup import check_drafter_path
+
+        check_drafter_path(config.drafter)
     base = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code, config.chat_template)
     if not config.drafter:
         return base
