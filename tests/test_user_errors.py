@@ -523,3 +523,15 @@ def test_run_refuses_what_bench_or_export_would_refuse_before_training(tmp_path,
     assert "export would refuse this run after training" in line and "export --to sglang: aux layer ids" in line
     assert_unchanged(before, tmp_path)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_automatic_backend_choice_gives_no_advice_to_follow(caplog):
+    import transformers
+
+    from eaglekit.decode.setup import resolve_backend
+
+    config = transformers.GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2)
+    with caplog.at_level(logging.INFO, logger="eaglekit"):
+        assert resolve_backend("auto", transformers.GraniteForCausalLM(config)) == "eager"
+    assert "not 'granite'); using the eager backend" in caplog.text and "use backend=eager" not in caplog.text

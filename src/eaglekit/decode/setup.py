@@ -74,6 +74,7 @@ def resolve_backend(name: str, target: torch.nn.Module) -> str:
     try:
         StaticLlama(target, 8, None)
     except EaglekitError as error:
-        log.info("static fast path unavailable (%s); using the eager backend", error)
+        reason = str(error).replace("; use backend=eager", "").replace(" (use backend=eager)", "")
+        log.info("static fast path unavailable (%s); using the eager backend", reason)
         return "eager"
     return "static"
