@@ -251,3 +251,10 @@ def test_run_report_has_a_served_by_vllm_section_when_bench_ran_with_engine_vllm
     data["config"]["engine"] = "eaglekit"
     (tmp_path / "bench" / "bench.json").write_text(json.dumps(data))
     assert "## Served by vLLM" not in write_report(tmp_path).path.read_text()
+
+
+def test_a_started_engine_logs_its_whole_command(tmp_path, caplog):
+    command = [sys.executable, "-c", "pass", "--model", str(tmp_path / "my model"), "--speculative-config", '{"a": 1}']
+    with caplog.at_level("INFO", logger="eaglekit"), ve.started(command, tmp_path / "engine.log") as process:
+        process.wait(timeout=60)
+    assert f"'{tmp_path / 'my model'}' --speculative-config '{{\"a\": 1}}'" in caplog.text

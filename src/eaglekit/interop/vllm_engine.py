@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -126,7 +127,7 @@ def started(command: list[str], log_path: Path, env: dict[str, str] | None = Non
     with open(log_path, "ab") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env={**os.environ, **ENGINE_ENV, **(env or {}), **marker}, start_new_session=True)
-    log.info("started pid %d: %s (log %s)", process.pid, " ".join(command[:4]), log_path)
+    log.info("started pid %d: %s (log %s)", process.pid, shlex.join(command), log_path)  # the whole command: rerunnable
     try:
         yield process
     finally:
