@@ -191,3 +191,18 @@ def test_plots_show_whole_positions_and_a_failed_bench_draws_no_blank_chart(tmp_
     metrics = {"train": [{"step": s, "loss": 3.0 - s / 4, "acc_k": [0.1 * s]} for s in (1, 2, 3)], "val": []}
     assert plot_training(metrics, tmp_path / "training.png")
     assert all(float(t).is_integer() for axis in saved[-1].axes for t in axis.get_xticks())
+
+
+def test_a_launch_command_the_doctor_says_the_engine_refuses_is_marked(tmp_path):
+    out = tmp_path / "run"
+    synthetic_run(out, "t")
+    text = write_report(out).path.read_text()
+    assert "will not serve this target" not in text  # supported (vLLM) and unknown (SGLang): no note
+    dump(out / "doctor" / "vllm" / "doctor.json", {"engine": "vllm", "engine_version": "0.32.0",
+                                                   "verdict": "not supported", "reasons": ["no SupportsEagle3"],
+                                                   "fix": ["add SupportsEagle3"]})
+    text = write_report(out).path.read_text()
+    vllm_part = text[text.index("**vllm**"):text.index("**sglang**")]
+    assert "The doctor says vllm 0.32.0 will not serve this target with an EAGLE-3 drafter as installed" in vllm_part
+    assert vllm_part.index("will not serve") < vllm_part.index("vllm serve t")
+    assert "will not serve" not in text[text.index("**sglang**"):]

@@ -378,6 +378,17 @@ def launch_commands(target: str, drafter: str, fmt: str, trust_remote_code: bool
     return []
 
 
+def _refusal_note(info: dict[str, Any], fmt: str) -> list[str]:
+    """A line above a launch command that the run's doctor says the engine refuses as it is installed."""
+    engine = "sglang" if fmt == "sglang" else "vllm"
+    report = (info["doctor"] or {}).get(engine) or {}
+    if report.get("verdict") != "not supported":
+        return []
+    return [f"The doctor says {engine} {report.get('engine_version') or ''} will not serve this target with an "
+            "EAGLE-3 drafter as installed (see Serving engines below): this command runs once its fix is applied.",
+            ""]
+
+
 def _section_export(info: dict[str, Any]) -> list[str]:
     lines = ["", "## Export", ""]
     if not info["exports"]:
@@ -388,8 +399,9 @@ def _section_export(info: dict[str, Any]) -> list[str]:
         drafter = str((info["out"] / "export" / fmt).resolve())
         summary = manifest.get("summary") or {}
         lines += [f"- **{fmt}**: `{drafter}` (aux layer ids as written: {summary.get('config_aux_layer_ids')}; "
-                  f"re-import max logit difference {_fmt(summary.get('max_logit_difference'), '.2g')})", "", "```bash"]
-        lines += launch_commands(target, drafter, fmt, trust) + ["```", ""]
+                  f"re-import max logit difference {_fmt(summary.get('max_logit_difference'), '.2g')})", ""]
+        lines += _refusal_note(info, fmt)
+        lines += ["```bash", *launch_commands(target, drafter, fmt, trust), "```", ""]
     return lines
 
 
