@@ -79,8 +79,10 @@ def test_bench_and_serve_refuse_speculative_decoding_of_such_a_target_before_any
 
     from eaglekit.decode.serving import SpeculativeEngine
 
+    (tmp_path / "drafter").mkdir()
     config = load_config(bench_stage.Config, overrides={"target": chunked_target, "prompts": "x.jsonl",
-                                                        "drafter": "d", "output": str(tmp_path / "bench")})
+                                                        "drafter": str(tmp_path / "drafter"),
+                                                        "output": str(tmp_path / "bench")})
     with pytest.raises(EaglekitError, match="chunked_attention layers: .* methods=plain,hf,hf_prompt_lookup"):
         bench_stage.run(config)
     assert not (tmp_path / "bench").exists()

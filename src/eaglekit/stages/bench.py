@@ -232,10 +232,6 @@ def _check(config: Config) -> list[str]:
                             "methods=plain,hf,hf_prompt_lookup")
     if config.engine == "vllm" and not config.drafter:
         raise EaglekitError("engine=vllm serves the target with the drafter: pass drafter=DIR")
-    if config.drafter:
-        from eaglekit.decode.setup import check_drafter_path
-
-        check_drafter_path(config.drafter)
     if not methods and config.engine != "vllm":
         raise EaglekitError("no methods to measure: pass methods=plain,chain,... (an empty list only with engine=vllm)")
     if any(level < 1 for level in config.concurrency):
@@ -298,7 +294,11 @@ def run(config: Config) -> dict[str, Any]:
     from eaglekit.manifest import atomic_write_json, atomic_write_text, claim_output, environment, write_manifest
     from eaglekit.target.loading import load_tokenizer
 
-    methods = _check(config)
+    methods = _check(config)  # the options alone (also `eaglekit run`'s pre-flight, before train writes the drafter)
+    if config.drafter:
+        from eaglekit.decode.setup import check_drafter_path
+
+        check_drafter_path(config.drafter)
     if methods:  # chain/tree on layers they cannot run, backend=static off its models: refused before measuring
         from eaglekit.preflight import check_decoding
         from eaglekit.target.loading import load_target_config
