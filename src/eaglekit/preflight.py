@@ -8,7 +8,8 @@ the first refusal as one `EaglekitError` naming the stage and the fix:
 - bench: its own option checks (methods, drafter, repeats, ...), a readable prompt file with conversations, a
   target that speculative decoding can run (`decode.windows.check_speculative`: full and sliding-window attention
   layers only) when it measures chain or tree, the static fast path's coverage with `backend=static`, and with
-  `engine=vllm` an installed vLLM of the tested version;
+  `engine=vllm` an installed vLLM of the tested version that the doctor does not call "not supported" for the
+  target (`interop.vllm_bench.check_served`);
 - export: for each format, the drafter that train will build (shapes from the target, aux layers, variant flags,
   `drafter_arch`; or `init_from`'s own config) against that format's rules (`interop.formats.check_exportable`);
 - doctor: nothing; a doctor that cannot read an engine reports the verdict "unknown" instead of failing the run.
@@ -61,7 +62,10 @@ def check_bench(config: Any, target_config: Any, methods: list[str]) -> None:
     if config.engine == "vllm":
         from eaglekit.interop.vllm_engine import find_engine
 
-        find_engine(config.vllm_python, config.vllm_version_check)
+        from eaglekit.interop.vllm_bench import check_served
+        from eaglekit.target.loading import local_model_dir
+
+        check_served(find_engine(config.vllm_python, config.vllm_version_check), local_model_dir(config.target))
 
 
 def planned_drafter(train: Any, target_config: Any, aux_layers: tuple[int, ...]) -> Any | None:

@@ -310,6 +310,10 @@ def run(config: Config) -> dict[str, Any]:
         from eaglekit.interop.vllm_engine import find_engine
 
         engine = find_engine(config.vllm_python, config.vllm_version_check)
+        from eaglekit.interop.vllm_bench import check_served
+        from eaglekit.target.loading import local_model_dir
+
+        check_served(engine, local_model_dir(config.target))
     conversations = read_conversations(config.prompts)
     if config.num_prompts:
         conversations = conversations[: config.num_prompts]
