@@ -165,3 +165,20 @@ def test_speculators_loads_the_peagle_export(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     expected = drafter.mask_hidden.detach().flatten()[:3].tolist()
     assert done.stdout.strip().splitlines()[-1] == f"(1, 1, 96) 7 {expected}"
+
+
+def test_run_exports_the_layouts_that_serve_p_eagle_and_says_how(chat_target, run_prompts, tmp_path) -> None:
+    from eaglekit.report import launch_commands
+    from eaglekit.stages.run import plan
+    from test_run import tiny_run
+
+    config = tiny_run(chat_target, run_prompts, tmp_path, train__drafter_type="p-eagle")
+    steps = [s.name for s in plan(config)]
+    assert "export-vllm" in steps and "export-speculators" in steps and "export-sglang" not in steps
+    with pytest.raises(EaglekitError, match="sglang, which serves no p-eagle drafter"):
+        plan(tiny_run(chat_target, run_prompts, tmp_path, train__drafter_type="p-eagle",
+                      export_formats=["vllm", "sglang"]))
+    drafter = to_parallel(random_drafter(tiny_target("llama")), 7, 0)
+    export_drafter(drafter, tmp_path / "vllm", "vllm")
+    (command,) = launch_commands("MODEL", str(tmp_path / "vllm"), "vllm")
+    assert '"parallel_drafting": true' in command

@@ -359,12 +359,22 @@ def _served_target(info: dict[str, Any]) -> str:
     return str(Path(target).resolve()) if Path(target).exists() else target
 
 
+def _parallel_drafting(drafter: str) -> dict[str, bool]:
+    """{"parallel_drafting": True} for a P-EAGLE export (vLLM's layout marks it, speculators' is type peagle), else
+    {}."""
+    path = Path(drafter) / "config.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    parallel = data.get("parallel_drafting") or data.get("speculators_model_type") == "peagle"
+    return {"parallel_drafting": True} if parallel else {}
+
+
 def launch_commands(target: str, drafter: str, fmt: str, trust_remote_code: bool = False) -> list[str]:
     """The exact command that serves `target` with the exported drafter in `fmt`'s engine."""
     steps = SPECULATIVE_TOKENS
     trust = " --trust-remote-code" if trust_remote_code else ""
     if fmt == "vllm":
-        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps})
+        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps,
+                           **_parallel_drafting(drafter)})
         return [f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
     if fmt == "sglang":
         return [f"python -m sglang.launch_server --model-path {shlex.quote(target)}{trust} "
@@ -372,7 +382,8 @@ def launch_commands(target: str, drafter: str, fmt: str, trust_remote_code: bool
                 f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
                 f"--speculative-num-draft-tokens {steps + 1}"]
     if fmt == "speculators":  # the checkpoint names its verifier; the long form names the target explicitly
-        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps})
+        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps,
+                           **_parallel_drafting(drafter)})
         return [f"vllm serve {shlex.quote(drafter)}{trust}",
                 f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
     return []

@@ -260,7 +260,7 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
         steps.append(Step("bench", out / "bench", lambda: bench, _execute("bench"), ("train",), (*target, prompts),
                           ("bench.json",)))
     if "export" in stages:
-        for fmt in config.export_formats:
+        for fmt in _export_formats(config):
             export = stage_config(config, "export", drafter=drafter, to=fmt, output=str(out / "export" / fmt))
             steps.append(Step(f"export-{fmt}", out / "export" / fmt, (lambda c=export: c), _execute("export"),
                               ("train",), (),
@@ -275,6 +275,21 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
             steps.append(Step(f"doctor-{engine}", folder, (lambda c=doctor: c), _doctor_step(folder),
                               (), target, ("doctor.json",)))
     return steps
+
+
+SGLANG_TYPES = ("eagle3",)  # drafter types SGLang serves (no parallel drafting, no DFlash drafter)
+
+
+def _export_formats(config: Config) -> tuple[str, ...]:
+    """The layouts to export: left at the default, those the trained drafter type has (no sglang for p-eagle or
+    dflash); sglang asked for by name with such a type is one error before any stage runs."""
+    kind = config.train.drafter_type
+    if kind in SGLANG_TYPES or "sglang" not in config.export_formats:
+        return config.export_formats
+    if config.export_formats != Config().export_formats:
+        raise EaglekitError(f"export_formats includes sglang, which serves no {kind} drafter: drop it "
+                            f"(export_formats={','.join(f for f in config.export_formats if f != 'sglang')})")
+    return tuple(f for f in config.export_formats if f != "sglang")
 
 
 def _bench_methods(config: Config, bench: Any) -> tuple[str, ...]:
