@@ -1,5 +1,6 @@
 """Training's soft labels equal the target's own next-token distribution on families whose forward changes
-lm_head's output: Granite (logits_scaling), Cohere (logit_scale), Gemma-2 (final_logit_softcapping)."""
+lm_head's output: Granite (logits_scaling), Cohere (logit_scale), Gemma-2 (final_logit_softcapping), Phi (an
+lm_head bias, read from the checkpoint for offline training)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,24 @@ def test_soft_labels_equal_the_targets_distribution(family):
 
 def test_llama_needs_no_transform():
     assert logit_transform(transformers.LlamaConfig(**SMALL)) == LogitTransform()
+
+
+def test_an_lm_head_bias_is_read_from_the_checkpoint_and_added(tmp_path):
+    from eaglekit.draft.build import load_target_head_bias
+
+    torch.manual_seed(0)
+    model = transformers.PhiForCausalLM(transformers.PhiConfig(**SMALL)).eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0, 2.0)  # a bias that moves the distribution
+    model.save_pretrained(tmp_path)
+    bias = load_target_head_bias(str(tmp_path))
+    torch.testing.assert_close(bias, model.lm_head.bias.detach())
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    t2d = torch.ones(96, dtype=torch.bool)
+    probs, _ = soft_labels_from_hidden(out.hidden_states[-1], model.lm_head.weight, t2d,
+                                       transform=logit_transform(model.config, bias))
+    torch.testing.assert_close(probs, torch.softmax(out.logits.float(), -1), atol=1e-5, rtol=1e-4)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).save_pretrained(tmp_path / "llama")
+    assert load_target_head_bias(str(tmp_path / "llama")) is None

@@ -116,6 +116,32 @@ def load_target_embeddings(name_or_path: str, trust_remote_code: bool = False) -
     return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
 
 
+def load_target_head_bias(name_or_path: str, trust_remote_code: bool = False) -> torch.Tensor | None:
+    """The bias (V,) of a target's lm_head (Phi has one), read from its checkpoint; None when it has none."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eaglekit.target.loading import load_target, resolve_target
+
+    path = resolve_target(name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        bias = getattr(skeleton.get_output_embeddings(), "bias", None)
+        if bias is None:
+            return None
+        name = {id(p): n for n, p in skeleton.named_parameters()}[id(bias)]
+        tensors = _checkpoint_tensors(Path(path), [name]) if Path(path).is_dir() else None
+    except (ValueError, KeyError, AttributeError):
+        tensors, name = None, ""
+    if tensors is not None:
+        return tensors[name]
+    log.info("reading the lm_head's bias by loading the whole target %s on the CPU", name_or_path)
+    model = load_target(name_or_path, "cpu", torch.float32, trust_remote_code=trust_remote_code)
+    bias = getattr(model.get_output_embeddings(), "bias", None)
+    return None if bias is None else bias.detach()
+
+
 DrafterReader = Callable[[str, int], Eagle3Drafter]  # (directory, target's layer count) -> drafter
 
 

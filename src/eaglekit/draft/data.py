@@ -183,5 +183,6 @@ class OnlineSource:
         aux = self.capture.aux().to(device, dtype)  # (B, T, 3H)
         final = self.capture.final().to(weight.device)  # (B, T, H)
         probs, in_vocab = soft_labels_from_hidden(final, weight, self.t2d.to(weight.device),
-                                                  transform=logit_transform(self.target.config))
+                                                  transform=logit_transform(self.target.config,
+                                                                            self.target.get_output_embeddings().bias))
         return Batch(input_ids, loss_mask, aux, probs.to(device), in_vocab.to(device))

@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from eaglekit.draft.build import DrafterReader, load_drafter, load_target_embeddings, prepare_drafter
+from eaglekit.draft.build import (
+    DrafterReader,
+    load_drafter,
+    load_target_embeddings,
+    load_target_head_bias,
+    prepare_drafter,
+)
 from eaglekit.draft.data import OfflineSource, OnlineSource, conversation_records, shard_tokens
 from eaglekit.draft.model import INPUT_OF_LAYER, Eagle3Drafter
 from eaglekit.draft.vocab import VOCAB_FILE, count_tokens, mapping_from_drafter, save_vocab
@@ -133,8 +139,9 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
                          tokenizer_hash=_tokenizer_hash(config), target_config_hash=target_config_hash(target_config))
         # no bf16 matmuls on CPU
         head = head.detach().to(d.device, torch.float32 if d.device.type == "cpu" else head.dtype)
+        bias = load_target_head_bias(config.target, config.trust_remote_code)
         source: Any = OfflineSource(dataset, tokens, head, drafter.t2d, config.max_length,
-                                    logit_transform(target_config))
+                                    logit_transform(target_config, bias))
     else:
         capture = stack.enter_context(HiddenStateCapture(target, aux_input))
         source = OnlineSource(records, target, capture, drafter.t2d, config.max_length)
