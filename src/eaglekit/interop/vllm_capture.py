@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from eaglekit.errors import EaglekitError
 from eaglekit.interop import vllm_engine as ve
+from eaglekit.interop.vllm_worker_common import JsonlTail
 
 if TYPE_CHECKING:
     import torch
@@ -233,23 +234,6 @@ def engine_environment(engine: ve.Engine, tensor_parallel_size: int) -> dict[str
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [*range(os.cpu_count() or 1)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, cores)
     return env
-
-
-class JsonlTail:
-    """Complete lines appended to a file since the last read."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 class EngineSession:

@@ -28,24 +28,9 @@ import sys
 import time
 import traceback
 
+from vllm_worker_common import JsonlTail, error_text
+
 READY_POLL_SECONDS = 0.02
-
-
-class JsonlTail:
-    """Complete lines appended to a file since the last call (a partial last line waits for its newline)."""
-
-    def __init__(self, path: str):
-        self.path, self.offset = path, 0
-
-    def read(self) -> list[dict]:
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 class Events:
@@ -193,16 +178,6 @@ def main(argv: list[str]) -> int:
         events.write({"event": "failed", "error": error_text(error)})
         return 1
     return 0
-
-
-def error_text(error: BaseException) -> str:
-    """The exception's own words, with the causes vLLM chained to it."""
-    parts = [f"{type(error).__name__}: {error}"]
-    cause = error.__cause__ or error.__context__
-    while cause is not None and len(parts) < 4:
-        parts.append(f"{type(cause).__name__}: {cause}")
-        cause = cause.__cause__ or cause.__context__
-    return " <- ".join(parts)
 
 
 if __name__ == "__main__":

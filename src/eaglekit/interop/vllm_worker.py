@@ -31,6 +31,8 @@ import sys
 import time
 import traceback
 
+from vllm_worker_common import error_text
+
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -48,16 +50,6 @@ def spec_counters(metrics) -> dict:
             previous = found.get("spec_decode_num_accepted_tokens_per_pos", [0] * len(values))
             found["spec_decode_num_accepted_tokens_per_pos"] = [a + b for a, b in zip(previous, values)]
     return found
-
-
-def error_text(error: BaseException) -> str:
-    """The exception's own words, with the innermost cause vLLM chained to it."""
-    parts = [f"{type(error).__name__}: {error}"]
-    cause = error.__cause__ or error.__context__
-    while cause is not None and len(parts) < 4:
-        parts.append(f"{type(cause).__name__}: {cause}")
-        cause = cause.__cause__ or cause.__context__
-    return " <- ".join(parts)
 
 
 def timed(llm, prompts: list, params) -> dict:
