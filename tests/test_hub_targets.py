@@ -126,3 +126,22 @@ def test_the_cli_prints_that_line_alone(hub, tmp_path, monkeypatch, capsys, capl
         f"cache ({tmp_path / 'hub'}), and http://127.0.0.1:9 cannot be reached: fix the path, or download it where "
         "there is a network (`hf download some-org/not-downloaded`)"]
     assert not [r for r in caplog.records if not r.name.startswith("eaglekit")], caplog.text
+
+
+def test_the_targets_embeddings_and_an_imports_target_go_through_the_same_check(hub, tmp_path):
+    """Offline training reads the target's embedding and lm_head, and import reads its config: a cached hub id with
+    no network is read from the cache after one request; one that is not cached is the one error line."""
+    from eaglekit.draft.build import load_target_embeddings
+    from eaglekit.stages.import_ import _target_layers
+
+    snapshot = _cache("org/cached", tmp_path / "hub")
+    hub.answer = _unreachable
+    embed, head = load_target_embeddings("org/cached")
+    expected_embed, expected_head = load_target_embeddings(str(snapshot))
+    assert embed.equal(expected_embed) and head.equal(expected_head)
+    assert _target_layers("org/cached", False)[0] == _target_layers(str(snapshot), False)[0]
+    with pytest.raises(EaglekitError, match=r"^target org/missing is no local directory .* cannot be reached"):
+        load_target_embeddings("org/missing")
+    with pytest.raises(EaglekitError, match=r"^target org/missing is no local directory .* cannot be reached"):
+        _target_layers("org/missing", False)
+    assert len(hub.requests) == 2  # one per hub id, no retries

@@ -91,12 +91,12 @@ def _checkpoint_tensors(directory: Path, names: list[str]) -> dict[str, torch.Te
 def load_target_embeddings(name_or_path: str, trust_remote_code: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding (V, H), lm_head (V, H)) of a target, read from its checkpoint without loading the
     model where possible (offline training needs only these two)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from eaglekit.target.loading import load_target, resolve_target
+    from eaglekit.target.loading import load_target, load_target_config, locate_target
 
-    path = resolve_target(name_or_path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    path = locate_target(name_or_path)  # a hub id: one request, else its cached snapshot, else one error line
+    config = load_target_config(name_or_path, trust_remote_code)
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -118,12 +118,12 @@ def load_target_embeddings(name_or_path: str, trust_remote_code: bool = False) -
 
 def load_target_head_bias(name_or_path: str, trust_remote_code: bool = False) -> torch.Tensor | None:
     """The bias (V,) of a target's lm_head (Phi has one), read from its checkpoint; None when it has none."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from eaglekit.target.loading import load_target, resolve_target
+    from eaglekit.target.loading import load_target, load_target_config, locate_target
 
-    path = resolve_target(name_or_path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    path = locate_target(name_or_path)  # a hub id: one request, else its cached snapshot, else one error line
+    config = load_target_config(name_or_path, trust_remote_code)
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)

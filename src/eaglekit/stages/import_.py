@@ -50,10 +50,9 @@ def _target_layers(target: str, trust_remote_code: bool) -> tuple[int | None, st
         data = json.loads(path.read_text())
         text = data.get("text_config") or data
         return int(text["num_hidden_layers"]), str(path.parent), (data.get("architectures") or [""])[0]
-    from eaglekit.target.loading import load_target_config, resolve_target
+    from eaglekit.target.loading import load_target_config
 
-    resolved = resolve_target(target)
-    config = load_target_config(resolved, trust_remote_code=trust_remote_code)
+    config = load_target_config(target, trust_remote_code=trust_remote_code)
     return int(text_config(config).num_hidden_layers), target, (getattr(config, "architectures", None) or [""])[0]
 
 
