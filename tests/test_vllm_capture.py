@@ -25,6 +25,7 @@ import engines
 from eaglekit.config import load_config
 from eaglekit.errors import EaglekitError
 from eaglekit.interop import vllm_capture as vc
+from eaglekit.interop import vllm_engine as ve
 from eaglekit.stages import extract, regen
 from eaglekit.target.store import HiddenStateDataset, StoreLayout
 
@@ -52,9 +53,15 @@ def test_cpu_binding_dtype_and_engine_errors():
     assert vc.engine_dtype("auto", mla=False, device_type="cpu") == "float32"
     assert vc.engine_dtype("auto", mla=False, device_type="cuda") == "auto" and vc.engine_dtype("bf16", False, "cpu")
     refused = "ValueError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
-    assert "eaglekit doctor --engine vllm --target /m --fix" in vc.engine_error(refused, "/m")
+    engine = ve.Engine(python="/no/vllm/bin/python", version="0.0")
+    fixable = {"verdict": "not supported", "plugin_fix_possible": True, "fix": [], "reasons": ["no EAGLE-3"]}
+    assert "eaglekit doctor --engine vllm --target /m --fix" in vc.engine_error(refused, "/m", engine, fixable)
+    unfixable = {"verdict": "not supported", "plugin_fix_possible": False, "fix": ["serve it with backend=hf"],
+                 "reasons": ["no EAGLE-3"]}
+    advice = vc.engine_error(refused, "/m", engine, unfixable)
+    assert "--fix" not in advice and "serve it with backend=hf" in advice
     unknown = "ValueError: Model architectures ['FooForCausalLM'] are not supported for now."
-    assert vc.engine_error(unknown, "/m").startswith("vLLM does not know the target's architecture")
+    assert vc.engine_error(unknown, "/m", engine).startswith("vLLM does not know the target's architecture")
 
 
 def test_a_record_longer_than_the_context_is_refused_before_the_engine_and_the_engines_refusal_is_named():
@@ -67,7 +74,8 @@ def test_a_record_longer_than_the_context_is_refused_before_the_engine_and_the_e
     with pytest.raises(EaglekitError, match="lower max_length to 1023"):
         extract._max_model_len(config, load_target_config("tiny"), [short, long], [])
     refused = "ValueError: The decoder prompt (length 300) is longer than the maximum model length of 256."
-    assert vc.engine_error(refused, "/m").startswith("a request is longer than vLLM's max_model_len")
+    engine = ve.Engine(python="/no/vllm/bin/python", version="0.0")
+    assert vc.engine_error(refused, "/m", engine).startswith("a request is longer than vLLM's max_model_len")
 
 
 def test_final_norm_is_the_targets_own():

@@ -41,10 +41,6 @@ WORKER = Path(__file__).with_name("vllm_capture_worker.py")
 SPOOL = ".vllm-spool"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
           "float32": "float32"}
-DOCTOR_FIX = ("vLLM refuses to capture hidden states from this target class (no EAGLE-3 interface): run "
-              "`eaglekit doctor --engine vllm --target TARGET --fix` and pip-install the plugin it writes into vLLM's "
-              "environment, then re-run")
-
 
 # ---- which layers the engine captures (pure) -----------------------------------------------------
 
@@ -90,10 +86,14 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: list[int]) -> str:
     return "|".join(",".join(str(c) for c in cores[r * share:(r + 1) * share]) for r in range(tensor_parallel_size))
 
 
-def engine_error(text: str, target: str) -> str:
-    """The one-line fix for an engine failure whose text vLLM wrote."""
+def engine_error(text: str, target: str, engine: ve.Engine, report: dict[str, Any] | None = None) -> str:
+    """The one-line fix for an engine failure whose text vLLM wrote; a class without the EAGLE-3 interface gets the
+    doctor's own advice on this engine's vLLM (`report`: the doctor's, when already known)."""
     if "does not support EAGLE3 interface" in text:
-        return DOCTOR_FIX.replace("TARGET", target)
+        from eaglekit.interop.vllm_bench import doctor_advice
+
+        return ("vLLM refuses to capture hidden states from this target class (no EAGLE-3 interface): "
+                f"{doctor_advice(engine, target, report)}, then re-run")
     if "are not supported for now" in text or "not supported by vLLM" in text or "Cannot find model module" in text:
         return (f"vLLM does not know the target's architecture ({text[-300:]}); use a model class vLLM serves, or "
                 "backend=hf")
@@ -239,8 +239,8 @@ def engine_environment(engine: ve.Engine, tensor_parallel_size: int) -> dict[str
 class EngineSession:
     """The worker process and its two spool files; `events()` yields what it reports, raising on its failure."""
 
-    def __init__(self, process: subprocess.Popen, spool: Path, log_path: Path, target: str):
-        self.process, self.spool, self.log_path, self.target = process, spool, log_path, target
+    def __init__(self, process: subprocess.Popen, spool: Path, log_path: Path, target: str, engine: ve.Engine):
+        self.process, self.spool, self.log_path, self.target, self.engine = process, spool, log_path, target, engine
         self.requests = open(spool / "requests.jsonl", "a")
         self.events_file = JsonlTail(spool / "events.jsonl")
         self.ready: dict[str, Any] = {}
@@ -272,7 +272,8 @@ class EngineSession:
 
     def failure(self, how: str, text: str = "") -> EaglekitError:
         text = text or ve.log_tail(self.log_path, 12)
-        return EaglekitError(f"the vLLM capture engine {how} (log {self.log_path}): {engine_error(text, self.target)}")
+        advice = engine_error(text, self.target, self.engine)
+        return EaglekitError(f"the vLLM capture engine {how} (log {self.log_path}): {advice}")
 
 
 @contextlib.contextmanager
@@ -289,7 +290,7 @@ def engine_session(engine: ve.Engine, job: dict[str, Any], spool: Path, target: 
     atomic_write_json(spool / "job.json", {**job, "spool": str(spool)})
     log_path.unlink(missing_ok=True)
     with ve.started([engine.python, str(WORKER), str(spool / "job.json")], log_path, env) as process:
-        session = EngineSession(process, spool, log_path, target)
+        session = EngineSession(process, spool, log_path, target, engine)
         try:
             yield session
         finally:
@@ -359,7 +360,8 @@ def capture_records(session: EngineSession, records: list[Record], layers: Engin
     for event in session.events():
         record = records[event["id"]]
         if "error" in event:
-            raise EaglekitError(f"vLLM refused record {record.id}: {engine_error(event['error'], session.target)}")
+            advice = engine_error(event["error"], session.target, session.engine)
+            raise EaglekitError(f"vLLM refused record {record.id}: {advice}")
         store_file(event["file"], record, layers, norm, layout, writer)
         counters.records += 1
         counters.tokens += len(record.input_ids)

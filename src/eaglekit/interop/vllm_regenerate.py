@@ -112,7 +112,8 @@ def regenerate_records(session: EngineSession, conversations: list[Any], regener
     for event in session.events():
         i, capture = divmod(event["id"], 2)
         if "error" in event:
-            raise EaglekitError(f"vLLM refused record {prompts[i].id}: {engine_error(event['error'], session.target)}")
+            advice = engine_error(event["error"], session.target, session.engine)
+            raise EaglekitError(f"vLLM refused record {prompts[i].id}: {advice}")
         if not capture:
             conversation, reason = answered(regeneration, prompts[i], event["output"])
             counters.generated_tokens += len(event["output"])
