@@ -9,6 +9,7 @@ import yaml
 
 from eaglekit.config import config_hash, describe, load_config, option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
+from eaglekit.manifest import data_hash
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,14 @@ def test_resolved_config_round_trips(tmp_path):
     assert config_hash(cfg) == config_hash(again) != config_hash(load_config(Demo, None, ["steps=11"]))
     assert config_hash(cfg, exclude=("steps",)) == config_hash(load_config(Demo, None, ["target=x", "layers=[1,2,3]", "steps=99"]), exclude=("steps",))
     assert to_dict(cfg)["optim"]["betas"] == [0.9, 0.95]
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # written atomically: no temporary left
+
+
+def test_the_config_hash_is_the_manifests_digest():
+    # the digest stored in earlier runs' records: a changed helper would make every run start over
+    cfg = load_config(Demo, None, ["target=x", "steps=11"])
+    assert config_hash(cfg) == "b8c0a66bf8633cdb" == data_hash(to_dict(cfg))
+    assert config_hash(cfg, exclude=("steps",)) == "afef3110a18946c3"
 
 
 def test_describe_lists_every_option():

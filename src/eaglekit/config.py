@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 import types
 import typing
 from pathlib import Path
@@ -228,18 +226,17 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def config_hash(config: Any, exclude: tuple[str, ...] = ()) -> str:
     """Stable short hash of a config (keys in `exclude` ignored), to tell a changed run from a resumed one."""
-    data = {k: v for k, v in to_dict(config).items() if k not in exclude}
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    from eaglekit.manifest import data_hash
+
+    return data_hash({k: v for k, v in to_dict(config).items() if k not in exclude})
 
 
 def save_resolved(config: Any, directory: str | Path, name: str = "config.yaml") -> Path:
     """Write the fully resolved config next to a stage's outputs (atomically)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / name
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    tmp.replace(target)
+    from eaglekit.manifest import atomic_write_text
+
+    target = Path(directory) / name
+    atomic_write_text(target, yaml.safe_dump(to_dict(config), sort_keys=False))
     return target
 
 
