@@ -258,3 +258,21 @@ def test_a_started_engine_logs_its_whole_command(tmp_path, caplog):
     with caplog.at_level("INFO", logger="eaglekit"), ve.started(command, tmp_path / "engine.log") as process:
         process.wait(timeout=60)
     assert f"'{tmp_path / 'my model'}' --speculative-config '{{\"a\": 1}}'" in caplog.text
+
+
+@pytest.mark.parametrize("drafter_type, row", [("eagle3", "vllm_eagle3"), ("p-eagle", "vllm_eagle3"),
+                                               ("dflash", "vllm_dflash")])
+def test_a_failed_vllm_run_is_named_by_the_method_that_serves_the_drafter(tmp_path, drafter_type, row):
+    """P-EAGLE is served as eagle3 (parallel drafting), DFlash as dflash: its error row carries that name."""
+    import json
+    from types import SimpleNamespace
+
+    from eaglekit.stages.bench import _vllm_rows
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"drafter_type": drafter_type}))
+    config = SimpleNamespace(target=str(tmp_path / "no-target"), drafter=str(drafter))
+    [failed] = _vllm_rows(config, None, [[1, 2]], tmp_path / "bench")
+    assert failed["method"] == row and failed["engine"] == "vllm"
+    assert failed["error"].startswith(f"target {tmp_path / 'no-target'} does not exist")

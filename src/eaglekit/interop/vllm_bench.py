@@ -37,6 +37,12 @@ def served_method(drafter_dir: str) -> str:
     return "dflash" if saved_drafter_type(drafter_dir) == "dflash" else "eagle3"
 
 
+def speculative_row(drafter_dir: str) -> str:
+    """The bench row of the run with a saved drafter, named by the method vLLM serves it with: `vllm_dflash` for a
+    DFlash drafter, `vllm_eagle3` for EAGLE-3 and P-EAGLE (served as eagle3 with parallel drafting)."""
+    return SPECULATIVE_ROWS[served_method(drafter_dir)]
+
+
 def export_for_vllm(drafter_dir: str, output: Path, speculative_tokens: int) -> Path:
     """The eaglekit drafter written in vLLM's layout of its type (fp32, verified by re-import) under `output`."""
     import torch

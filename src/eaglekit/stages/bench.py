@@ -275,9 +275,10 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
 
 def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -> list[dict[str, Any]]:
     """The real vLLM's rows; a refusal or a dead server becomes one failed row (eaglekit's rows are kept)."""
-    from eaglekit.interop.vllm_bench import EAGLE3, measure
+    from eaglekit.interop.vllm_bench import measure, speculative_row
     from eaglekit.target.loading import local_model_dir
 
+    name = speculative_row(config.drafter)  # the failed row is named as the run it stands for
     try:
         return measure(engine, local_model_dir(config.target), config.drafter, prompts, output,
                        max_new_tokens=config.max_new_tokens, speculative_tokens=config.chain_length,
@@ -285,7 +286,7 @@ def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -
                        startup_timeout=config.vllm_startup_timeout)
     except EaglekitError as error:
         log.error("bench: vLLM: %s", error)
-        return [{"method": EAGLE3, "temperature": 0.0, "engine": "vllm", "error": str(error)}]
+        return [{"method": name, "temperature": 0.0, "engine": "vllm", "error": str(error)}]
 
 
 def run(config: Config) -> dict[str, Any]:
