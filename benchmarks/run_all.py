@@ -51,7 +51,8 @@ Parts
             a P-EAGLE drafter fine-tuned from the run's own drafter (init_from=<work>/run/train unless given),
             benched with methods parallel, chain and tree; <out>/variant_p-eagle.json.
 - step_cost: benchmarks/step_cost.py: 8B-shaped step costs (random weights) with the bench's tau projected.
-- summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md`.
+- summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md` (a line per
+            variant: variant.json, variant_p-eagle.json, variant_dflash.json).
 """
 
 from __future__ import annotations
@@ -286,6 +287,9 @@ def _script(name: str, *args: str, env: dict[str, str] | None = None, timeout: f
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=timeout, env=env)
 
 
+VARIANT_KEYS = ("variant", "variant_p-eagle", "variant_dflash")  # run_variant's outputs: eagle3, and by drafter type
+
+
 def summarise(work: Path, out: Path) -> dict:
     """Every figure of this run in one JSON (and a markdown table)."""
     import torch  # noqa: F401 - environment() reports the versions and the GPU of modules already imported
@@ -310,7 +314,7 @@ def summarise(work: Path, out: Path) -> dict:
         "extract_speed": {name: load(out / f"extract_speed_{name}.json") for name in ("8b_ram", "reference_ram", "reference_disk")},
         "peer_speculators": load(out / "peer_speculators.json"),
         "step_profile": load(out / "step_profile.json"),
-        "variant": load(out / "variant.json"),
+        **{key: load(out / f"{key}.json") for key in VARIANT_KEYS},
         "step_cost_8b": load(out / "step_cost_8b.json"),
     }
     for key in ("reference_target", "draft_lm"):
@@ -380,14 +384,21 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
         for row in cost.get("projection", []):
             speed.append(f"- projection at the 8B shape, {row['method']} T={row['temperature']:g}: tau {row['tau']:.2f} x "
                          f"plain / step = {row['projected_speedup']:.2f}x (reference target measured {row['reference_measured_speedup']:.2f}x)")
-    variant = summary.get("variant")
-    if variant:
-        accuracy = lambda side: " ".join(f"{a:.3f}" for a in ((variant[side].get("val") or {}).get("acc_k") or []))  # noqa: E731
-        speed.append(f"- variant {variant['variant']}: val accuracy per position {accuracy('trained')} (baseline {accuracy('baseline')}); "
-                     + ", ".join(f"{r['method']} T={r['temperature']:g} tau {r['tau']:.2f}" for r in variant["bench"] if r.get("tau")))
+    speed += [variant_line(summary[key]) for key in VARIANT_KEYS if summary.get(key)]
     if speed:
         lines += ["## Speed and peers", "", *speed, ""]
     return "\n".join(lines)
+
+
+def variant_line(variant: dict) -> str:
+    """One markdown line of a `run_variant` result: its options, val accuracy per position beside the baseline's,
+    and its bench taus."""
+    def accuracy(side: str) -> str:
+        return " ".join(f"{a:.3f}" for a in ((variant[side].get("val") or {}).get("acc_k") or [])) or "-"
+
+    return (f"- variant {variant['variant']}: val accuracy per position {accuracy('trained')} (baseline "
+            f"{accuracy('baseline')}); "
+            + ", ".join(f"{r['method']} T={r['temperature']:g} tau {r['tau']:.2f}" for r in variant["bench"] if r.get("tau")))
 
 
 def main() -> int:

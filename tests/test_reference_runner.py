@@ -30,3 +30,28 @@ def test_the_reference_runner_runs_its_parts_and_summarises_them(tmp_path):
         assert f"| {method} | 0 |" in text, method
     assert "## Speed and peers" in text and "- step_cost (" in text and "- variant " in text
     assert "- train_speed offline/eager/sdpa: " in text  # a CPU run: tokens/s, no MFU
+
+
+def test_the_summary_has_a_line_for_each_drafter_type_variant():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+
+    def variant(options: dict, acc: list[float], rows: list[dict]) -> dict:
+        return {"variant": options, "baseline": {"val": {"acc_k": [0.5]}}, "trained": {"val": {"acc_k": acc}},
+                "bench": rows}
+
+    summary = {"environment": {"commit": "abc"},
+               "variant_p-eagle": variant({"drafter_type": "p-eagle"}, [0.25, 0.125],
+                                          [{"method": "parallel", "temperature": 0.0, "tau": 1.5}]),
+               "variant_dflash": variant({"drafter_type": "dflash"}, [],
+                                         [{"method": "dflash", "temperature": 0.0, "tau": 2.25},
+                                          {"method": "plain", "temperature": 0.0, "tau": None}])}
+    lines = run_all.summary_markdown(summary, "").splitlines()
+    assert "- variant {'drafter_type': 'p-eagle'}: val accuracy per position 0.250 0.125 (baseline 0.500); " \
+           "parallel T=0 tau 1.50" in lines
+    assert "- variant {'drafter_type': 'dflash'}: val accuracy per position - (baseline 0.500); dflash T=0 tau 2.25" \
+           in lines
+    assert run_all.VARIANT_KEYS == ("variant", "variant_p-eagle", "variant_dflash")
