@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs, sample
-from eaglekit.decode.tree import DraftTree, ancestor_matrix
+from eaglekit.decode.tree import DraftTree, chain_from_logits
 from eaglekit.decode_options import DecodeOptions
 from eaglekit.draft.dflash import check_block
 
@@ -67,17 +66,4 @@ def grow_dflash(drafter_backend: DFlashDrafterBackend, drafter, root_hidden: tor
     k = options.chain_length
     check_block(k, drafter.config.block_size)
     logits = drafter_backend.block_logits(root_token, start, k)  # (k, Vd)
-    device = logits.device
-    all_draft_ids = drafter.draft_to_target(torch.arange(logits.shape[-1], device=device))  # (Vd,)
-    parents = torch.arange(-1, k, device=device)  # (k+1,) a chain under the root
-    draft_probs = None
-    if options.temperature > 0:
-        q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (k, Vd)
-        draft_ids = sample(q, generator)  # (k,)
-        q_target = draft_probs_to_target(q, all_draft_ids, vocab_size)  # (k, V)
-        draft_probs = torch.cat([torch.zeros_like(q_target[:1]), q_target])  # (k+1, V) the root has none
-    else:
-        draft_ids = logits.argmax(-1)  # (k,)
-    tokens = torch.cat([root_token.reshape(1), all_draft_ids[draft_ids]])  # (k+1,)
-    tree = DraftTree(tokens, parents, torch.arange(k + 1, device=device), draft_probs=draft_probs)
-    return tree, ancestor_matrix(parents, k)
+    return chain_from_logits(drafter, logits, root_token, options, vocab_size, generator)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs, sample
-from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents
+from eaglekit.decode.tree import DraftTree, chain_from_logits
 from eaglekit.decode_options import DecodeOptions
 
 
@@ -44,17 +43,4 @@ def grow_parallel(drafter_backend, drafter, root_hidden: torch.Tensor, root_logi
     Same contract as `engine.grow_tree`; `root_hidden` is not read (the mask slots carry `mask_hidden`)."""
     k = options.chain_length
     logits = parallel_logits(drafter_backend, drafter, root_logits, start, k)  # (k, Vd)
-    device = logits.device
-    all_draft_ids = drafter.draft_to_target(torch.arange(logits.shape[-1], device=device))  # (Vd,)
-    parents = chain_parents(k, device)  # (k+1,)
-    draft_probs = None
-    if options.temperature > 0:
-        q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (k, Vd)
-        draft_ids = sample(q, generator)  # (k,) one uniform per row, drawn as one (k, 1) tensor
-        q_target = draft_probs_to_target(q, all_draft_ids, vocab_size)  # (k, V)
-        draft_probs = torch.cat([torch.zeros_like(q_target[:1]), q_target])  # (k+1, V) the root has none
-    else:
-        draft_ids = logits.argmax(-1)  # (k,)
-    tokens = torch.cat([root_token.reshape(1), all_draft_ids[draft_ids]])  # (k+1,)
-    tree = DraftTree(tokens, parents, torch.arange(k + 1, device=device), draft_probs=draft_probs)
-    return tree, ancestor_matrix(parents, k)
+    return chain_from_logits(drafter, logits, root_token, options, vocab_size, generator)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglekit.decode.sampling import PreDrawn, rand
+from eaglekit.decode.sampling import PreDrawn, draft_probs_to_target, logits_to_probs, rand, sample
 
 
 @dataclass
@@ -36,6 +36,27 @@ class DraftTree:
 def chain_parents(num_drafts: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(k+1,) parents of a root followed by a chain of k drafts."""
     return torch.arange(-1, num_drafts, device=device)
+
+
+def chain_from_logits(drafter, logits: torch.Tensor, root_token: torch.Tensor, options, vocab_size: int,
+                      generator) -> tuple[DraftTree, torch.Tensor]:
+    """logits (k, Vd) of the k chain positions, each read without the drafts before it (P-EAGLE, DFlash) -> (the
+    chain after `root_token`, its (k+1, k+1) ancestors-or-self mask). Greedy at temperature 0, else draft j is drawn
+    from q_j (`options`: temperature, top_k, top_p), kept as the tree's draft_probs for the chain's p/q rule."""
+    k, device = logits.shape[0], logits.device
+    all_draft_ids = drafter.draft_to_target(torch.arange(logits.shape[-1], device=device))  # (Vd,)
+    parents = chain_parents(k, device)  # (k+1,)
+    draft_probs = None
+    if options.temperature > 0:
+        q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (k, Vd)
+        draft_ids = sample(q, generator)  # (k,) one uniform per row, drawn as one (k, 1) tensor
+        q_target = draft_probs_to_target(q, all_draft_ids, vocab_size)  # (k, V)
+        draft_probs = torch.cat([torch.zeros_like(q_target[:1]), q_target])  # (k+1, V) the root has none
+    else:
+        draft_ids = logits.argmax(-1)  # (k,)
+    tokens = torch.cat([root_token.reshape(1), all_draft_ids[draft_ids]])  # (k+1,)
+    tree = DraftTree(tokens, parents, torch.arange(k + 1, device=device), draft_probs=draft_probs)
+    return tree, ancestor_matrix(parents, k)
 
 
 TOPK_CHUNK = 128  # columns per chunk in the first pass of `top_k_rows`
