@@ -276,3 +276,14 @@ def test_a_failed_vllm_run_is_named_by_the_method_that_serves_the_drafter(tmp_pa
     [failed] = _vllm_rows(config, None, [[1, 2]], tmp_path / "bench")
     assert failed["method"] == row and failed["engine"] == "vllm"
     assert failed["error"].startswith(f"target {tmp_path / 'no-target'} does not exist")
+
+
+def test_a_drafter_vllm_cannot_read_is_a_failed_row_not_a_failed_bench(tmp_path):
+    from types import SimpleNamespace
+
+    from eaglekit.stages.bench import _vllm_rows
+
+    (tmp_path / "foreign").mkdir()
+    config = SimpleNamespace(target="tiny", drafter=str(tmp_path / "foreign"))
+    [failed] = _vllm_rows(config, None, [[1, 2]], tmp_path / "bench")
+    assert failed["method"] == "vllm_eagle3" and "no config.json there" in failed["error"]

@@ -275,11 +275,12 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
 
 def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -> list[dict[str, Any]]:
     """The real vLLM's rows; a refusal or a dead server becomes one failed row (eaglekit's rows are kept)."""
-    from eaglekit.interop.vllm_bench import measure, speculative_row
+    from eaglekit.interop.vllm_bench import EAGLE3, measure, speculative_row
     from eaglekit.target.loading import local_model_dir
 
-    name = speculative_row(config.drafter)  # the failed row is named as the run it stands for
+    name = EAGLE3  # the failed row is named as the run it stands for, once the drafter's type is read
     try:
+        name = speculative_row(config.drafter)
         return measure(engine, local_model_dir(config.target), config.drafter, prompts, output,
                        max_new_tokens=config.max_new_tokens, speculative_tokens=config.chain_length,
                        levels=config.concurrency, temperatures=config.temperatures, samples=config.vllm_samples,
