@@ -287,3 +287,18 @@ def test_a_drafter_vllm_cannot_read_is_a_failed_row_not_a_failed_bench(tmp_path)
     config = SimpleNamespace(target="tiny", drafter=str(tmp_path / "foreign"))
     [failed] = _vllm_rows(config, None, [[1, 2]], tmp_path / "bench")
     assert failed["method"] == "vllm_eagle3" and "no config.json there" in failed["error"]
+
+
+def test_a_dflash_drafters_vllm_rows_get_the_served_sweep_and_the_lossless_line():
+    from eaglekit.report import vllm_checks_markdown
+
+    def levels(speed):
+        return [{"concurrency": 1, "requests": 4, "tokens_per_second": speed, "tau": 3.5 if speed > 100 else None}]
+
+    rows = [{"method": "vllm_plain", "temperature": 0.0, "engine": "vllm", "concurrency": levels(100.0)},
+            {"method": "vllm_dflash", "temperature": 0.0, "engine": "vllm", "engine_version": "0.32.0",
+             "outputs_equal_plain": 1.0, "concurrency": levels(250.0)}]
+    lines = vllm_checks_markdown(rows)
+    assert "| concurrency | requests | vllm_plain tokens/s | vllm_dflash tokens/s | speed-up | tau (served) |" in lines
+    assert "| 1 | 4 | 100.0 | 250.0 | 2.50x | 3.500 |" in lines
+    assert "- T=0: vLLM's output with the drafter equals its plain greedy output on 100% of the prompts" in lines

@@ -156,16 +156,20 @@ def bench_markdown(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+VLLM_DRAFTER_ROWS = ("vllm_eagle3", "vllm_dflash")  # bench's vLLM run with the drafter, by the method serving it
+
+
 def vllm_sweep_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The served-by-vLLM concurrency sweep of bench rows: tokens/s without and with the drafter, speed-up, tau."""
     by_name = {r["method"]: r for r in rows if r.get("engine") == "vllm" and "error" not in r and r["temperature"] == 0}
-    plain, eagle = by_name.get("vllm_plain"), by_name.get("vllm_eagle3")
+    plain = by_name.get("vllm_plain")
+    eagle = next((by_name[name] for name in VLLM_DRAFTER_ROWS if name in by_name), None)
     if not plain or not eagle or not eagle.get("concurrency"):
         return []
     plain_levels = {level["concurrency"]: level for level in plain.get("concurrency", [])}
     lines = [f"vLLM {eagle.get('engine_version')} served (`vllm serve`, T=0), output tokens/s by requests in flight:",
              "",
-             "| concurrency | requests | vllm_plain tokens/s | vllm_eagle3 tokens/s | speed-up | tau (served) |",
+             f"| concurrency | requests | vllm_plain tokens/s | {eagle['method']} tokens/s | speed-up | tau (served) |",
              "|---|---|---|---|---|---|"]
     for level in eagle["concurrency"]:
         base = plain_levels.get(level["concurrency"], {})
@@ -181,7 +185,7 @@ def vllm_lossless_markdown(rows: list[dict[str, Any]]) -> list[str]:
     T > 0: the same distribution of the first speculative step's tokens)?"""
     lines = []
     for row in rows:
-        if row.get("method") != "vllm_eagle3" or "error" in row:
+        if row.get("method") not in VLLM_DRAFTER_ROWS or "error" in row:
             continue
         check = row.get("distribution")
         if check:
@@ -339,7 +343,7 @@ def _section_served_by_vllm(info: dict[str, Any]) -> list[str]:
     if failed or not rows:
         return lines + [f"vLLM did not finish: {(failed[0]['error'] if failed else 'no vLLM rows in bench.json')}"]
     vllm = bench.get("vllm") or {}
-    eagle = next((r for r in rows if r["method"] == "vllm_eagle3" and r["temperature"] == 0), {})
+    eagle = next((r for r in rows if r["method"] in VLLM_DRAFTER_ROWS and r["temperature"] == 0), {})
     chain = next((r for r in bench.get("rows", []) if r["method"] == "chain" and r["temperature"] == 0), None)
     lines.append(f"vLLM {vllm.get('version')} (`{vllm.get('python')}`) ran the target with and without "
                  f"the exported drafter on the same prompt ids (T=0, fp32): tau {_fmt(eagle.get('tau'), '.3f')}, "
