@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from eaglekit.draft.ttt import (
-    DEFAULT_DECAY, DEFAULT_STEPS, TTTResult, combine_steps, position_ids, shift_left, soft_cross_entropy_sum,
-    step_masks, ttt_attention_mask, ttt_block_mask,
+    DEFAULT_DECAY, DEFAULT_STEPS, TTTResult, combine_steps, position_ids, score_step, shift_left,
+    step_attention_mask, step_masks,
 )
 from eaglekit.errors import EaglekitError
 
@@ -45,11 +45,6 @@ def step_inputs(
     if step == 0:
         return feature, shift_left(input_ids, 1, 0)
     return mask_feature.to(feature.dtype).expand_as(feature), torch.full_like(input_ids, mask_token_id)
-
-
-def correct_count(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logits, probs (B, T, Vd), mask (B, T) -> () top-1 matches of the drafter with the target on `mask`."""
-    return ((logits.argmax(-1) == probs.argmax(-1)) & mask).sum().float()
 
 
 def parallel_forward(
@@ -72,20 +67,15 @@ def parallel_forward(
     values: list[torch.Tensor] = []
     loss_sums, correct = [], []
     for k in range(num_steps):
-        if attention == "flex":
-            mask: Any = ttt_block_mask(t, k, input_ids.device)
-        else:
-            mask = ttt_attention_mask(t, k, input_ids.device)[None, None]  # (1, 1, T, (k+1)T)
+        mask = step_attention_mask(attention, t, k, input_ids.device)
         past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None  # 2 x (B, nkv, kT, D)
         hidden, ids = step_inputs(feature, mask_feature, input_ids, drafter.config.mask_token_id, k)
         _, logits, (key, value) = drafter(hidden, ids, position_ids(b, t, k, input_ids.device), past, mask)
         keys.append(key)
         values.append(value)
-        n = max(t - 1 - k, 0)  # positions with a label
-        logits_k, probs_k, mask_k = logits[:, :n], probs[:, 1 + k : 1 + k + n], train[k][:, :n]
-        loss_sums.append(soft_cross_entropy_sum(logits_k, probs_k, mask_k))
-        with torch.no_grad():
-            correct.append(correct_count(logits_k, probs_k, mask_k))
+        loss_sum, hits = score_step(logits, probs, train[k], k)
+        loss_sums.append(loss_sum)
+        correct.append(hits)
     return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
 
 

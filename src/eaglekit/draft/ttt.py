@@ -154,8 +154,27 @@ def combine_steps(
     return TTTResult(loss, loss_sums_t.detach(), correct_t, train_counts, accuracy.sum(dim=(1, 2)).float())
 
 
-def _correct(logits: torch.Tensor, probs: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
-    return ((logits.argmax(-1) == probs.argmax(-1)) & train).sum().float()
+def correct_count(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits, probs (B, T, Vd), mask (B, T) -> () top-1 matches of the drafter with the target on `mask`."""
+    return ((logits.argmax(-1) == probs.argmax(-1)) & mask).sum().float()
+
+
+def step_attention_mask(attention: str, length: int, step: int, device: torch.device) -> Any:
+    """The mask of step `step` over the keys of steps 0..step: a flex block mask, or (1, 1, T, (k+1)T) booleans."""
+    if attention == "flex":
+        return ttt_block_mask(length, step, device)
+    return ttt_attention_mask(length, step, device)[None, None]
+
+
+def score_step(logits: torch.Tensor, probs: torch.Tensor, train: torch.Tensor,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, T, Vd) of step k, probs (B, T, Vd) soft labels, train (B, T) step k's mask -> (summed soft
+    cross-entropy, top-1 matches) over the T - 1 - k positions with a label; views, not shifted copies."""
+    n = max(logits.shape[1] - 1 - step, 0)  # positions with a label
+    logits_k, probs_k, mask_k = logits[:, :n], probs[:, 1 + step : 1 + step + n], train[:, :n]
+    with torch.no_grad():
+        hits = correct_count(logits_k, probs_k, mask_k)
+    return soft_cross_entropy_sum(logits_k, probs_k, mask_k), hits
 
 
 # --- efficient TTT --------------------------------------------------------------------------
@@ -179,20 +198,15 @@ def ttt_forward(
     values: list[torch.Tensor] = []
     loss_sums, correct = [], []
     for k in range(num_steps):
-        if attention == "flex":
-            mask: Any = ttt_block_mask(t, k, input_ids.device)
-        else:
-            mask = ttt_attention_mask(t, k, input_ids.device)[None, None]  # (1, 1, T, (k+1)T)
+        mask = step_attention_mask(attention, t, k, input_ids.device)
         past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None  # 2 x (B, nkv, kT, D)
         ids_k = shift_left(input_ids, 1 + k, 0)
         hidden, logits, (key, value) = drafter(hidden, ids_k, position_ids(b, t, k, input_ids.device), past, mask)
         keys.append(key)
         values.append(value)
-        n = max(t - 1 - k, 0)  # positions with a label; views instead of shifted copies of the (B, T, Vd) labels
-        logits_k, probs_k, mask_k = logits[:, :n], probs[:, 1 + k : 1 + k + n], train[k][:, :n]
-        loss_sums.append(soft_cross_entropy_sum(logits_k, probs_k, mask_k))
-        with torch.no_grad():
-            correct.append(_correct(logits_k, probs_k, mask_k))
+        loss_sum, hits = score_step(logits, probs, train[k], k)
+        loss_sums.append(loss_sum)
+        correct.append(hits)
     return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
 
 
@@ -289,7 +303,7 @@ def naive_ttt_forward(
         hidden, logits, kv = reference_step(drafter, hidden, ids, position_ids(b, t, k, ids.device), cache)
         cache.append(kv)
         loss_sums.append(soft_cross_entropy_sum(logits, labels, train[k]))
-        correct.append(_correct(logits.detach(), labels, train[k]))
+        correct.append(correct_count(logits.detach(), labels, train[k]))
     return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
 
 
