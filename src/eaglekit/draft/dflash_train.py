@@ -206,7 +206,7 @@ def batch_seed(loss_mask: torch.Tensor, in_vocab: torch.Tensor, seed: int) -> in
 
 
 class DFlashObjective(torch.nn.Module):
-    """The DFlash training objective over a drafter: the contract of `eaglekit.draft.train.TTTModule`, with the
+    """The DFlash training objective over a drafter: the contract of `eaglekit.draft.ttt.TTTModule`, with the
     K = block_size - 1 block positions in place of TTT steps."""
 
     def __init__(self, drafter: Any, num_anchors: int, decay: float, attention: str, seed: int):

@@ -21,10 +21,9 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch import nn
 
 from eaglekit.draft.ttt import (
-    DEFAULT_DECAY, DEFAULT_STEPS, TTTResult, combine_steps, position_ids, score_step, shift_left,
+    DEFAULT_DECAY, DEFAULT_STEPS, TTTModule, TTTResult, combine_steps, position_ids, score_step, shift_left,
     step_attention_mask, step_masks,
 )
 from eaglekit.errors import EaglekitError
@@ -127,24 +126,10 @@ def naive_parallel_forward(
 
 
 # --- the training module and the drafter --------------------------------------------------------
-class ParallelModule(nn.Module):
-    """P-EAGLE's training objective (the contract of `eaglekit.draft.train.TTTModule`)."""
+class ParallelModule(TTTModule):
+    """P-EAGLE's training objective (the contract of `eaglekit.draft.ttt.TTTModule`): parallel_forward's K steps."""
 
-    def __init__(self, drafter: nn.Module, num_steps: int, decay: float, attention: str):
-        super().__init__()
-        self.drafter, self.num_steps, self.decay, self.attention = drafter, num_steps, decay, attention
-
-    @property
-    def num_positions(self) -> int:
-        return self.num_steps
-
-    def masks(self, loss_mask: torch.Tensor, in_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return step_masks(loss_mask, in_vocab, self.num_steps)
-
-    def forward(self, aux, input_ids, loss_mask, probs, in_vocab, denominators):  # noqa: ANN001 (see parallel_forward)
-        r = parallel_forward(self.drafter, aux, input_ids, loss_mask, probs, in_vocab, self.num_steps, self.decay,
-                             self.attention, denominators)
-        return r.loss, r.loss_sums, r.correct, r.train_counts, r.accuracy_counts
+    steps_forward = staticmethod(parallel_forward)
 
 
 def to_parallel(drafter: Any, mask_token_id: int, seed: int) -> Any:

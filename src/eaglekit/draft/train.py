@@ -28,7 +28,7 @@ from eaglekit.config import config_hash, save_resolved, to_dict
 from eaglekit.draft import checkpoint as ckpt
 from eaglekit.draft.data import epoch_batches, mean_mask_counts, split_indices
 from eaglekit.draft.model import Eagle3Drafter
-from eaglekit.draft.ttt import expected_acceptance, step_masks, step_weights, ttt_forward
+from eaglekit.draft.ttt import TTTModule, expected_acceptance, step_weights
 from eaglekit.errors import EaglekitError
 from eaglekit.train_config import TrainConfig
 
@@ -73,30 +73,6 @@ def all_reduce(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.world > 1:
         dist.all_reduce(tensor)
     return tensor
-
-
-class TTTModule(nn.Module):
-    """The unit DDP/FSDP/compile wrap: one forward = all K TTT steps of a micro-batch.
-
-    The training-objective contract (every drafter type's module keeps it): `num_positions` K; `masks(loss_mask,
-    in_vocab)` -> (train, accuracy) masks (K, B, T); forward(aux, input_ids, loss_mask, probs, in_vocab,
-    denominators (K,)) -> (loss, loss_sums (K,), correct (K,), train_counts (K,), accuracy_counts (K,))."""
-
-    def __init__(self, drafter: Eagle3Drafter, num_steps: int, decay: float, attention: str):
-        super().__init__()
-        self.drafter, self.num_steps, self.decay, self.attention = drafter, num_steps, decay, attention
-
-    @property
-    def num_positions(self) -> int:
-        return self.num_steps
-
-    def masks(self, loss_mask: torch.Tensor, in_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return step_masks(loss_mask, in_vocab, self.num_steps)
-
-    def forward(self, aux, input_ids, loss_mask, probs, in_vocab, denominators):  # noqa: ANN001 (see ttt_forward)
-        r = ttt_forward(self.drafter, aux, input_ids, loss_mask, probs, in_vocab, self.num_steps, self.decay,
-                        self.attention, denominators)
-        return r.loss, r.loss_sums, r.correct, r.train_counts, r.accuracy_counts
 
 
 def objective_module(config: TrainConfig, drafter: nn.Module, attention: str) -> nn.Module:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 DEFAULT_STEPS = 7
 DEFAULT_DECAY = 0.8
@@ -208,6 +209,33 @@ def ttt_forward(
         loss_sums.append(loss_sum)
         correct.append(hits)
     return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
+
+
+# --- the training module ----------------------------------------------------------------------
+class TTTModule(nn.Module):
+    """The unit DDP/FSDP/compile wrap: one forward = all K TTT steps of a micro-batch.
+
+    The training-objective contract (every drafter type's module keeps it): `num_positions` K; `masks(loss_mask,
+    in_vocab)` -> (train, accuracy) masks (K, B, T); forward(aux, input_ids, loss_mask, probs, in_vocab,
+    denominators (K,)) -> (loss, loss_sums (K,), correct (K,), train_counts (K,), accuracy_counts (K,))."""
+
+    steps_forward = staticmethod(ttt_forward)  # the objective's own forward over all K steps
+
+    def __init__(self, drafter: nn.Module, num_steps: int, decay: float, attention: str):
+        super().__init__()
+        self.drafter, self.num_steps, self.decay, self.attention = drafter, num_steps, decay, attention
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_steps
+
+    def masks(self, loss_mask: torch.Tensor, in_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return step_masks(loss_mask, in_vocab, self.num_steps)
+
+    def forward(self, aux, input_ids, loss_mask, probs, in_vocab, denominators):  # noqa: ANN001 (see ttt_forward)
+        r = self.steps_forward(self.drafter, aux, input_ids, loss_mask, probs, in_vocab, self.num_steps, self.decay,
+                               self.attention, denominators)
+        return r.loss, r.loss_sums, r.correct, r.train_counts, r.accuracy_counts
 
 
 # --- naive reference ------------------------------------------------------------------------
