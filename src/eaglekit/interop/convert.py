@@ -56,12 +56,7 @@ def compare_drafters(reference: Eagle3Drafter, candidate: Eagle3Drafter, what: s
                                       and not torch.equal(reference.mask_hidden.cpu(), candidate.mask_hidden.cpu())):
         raise EaglekitError(f"{what}: the parallel drafting (drafter type, mask token, mask_hidden) changed on the "
                             f"round trip ({parallel[0]} -> {parallel[1]})")
-    expected, got = probe_logits(reference), probe_logits(candidate)
-    difference = (expected - got).abs().max().item()
-    tolerance = 0.0 if reference.fc.weight.dtype == torch.float32 else 1e-2 * expected.abs().max().item()
-    if difference > tolerance:
-        raise EaglekitError(f"{what}: logits differ by {difference:.3g} on the probe input (tolerance {tolerance:.3g})")
-    return difference
+    return formats.probe_difference(probe_logits(reference), probe_logits(candidate), reference.fc.weight.dtype, what)
 
 
 def to_input(config: DrafterConfig) -> tuple[int, ...]:

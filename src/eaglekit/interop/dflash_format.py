@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from eaglekit.draft.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter, build_from_state
 from eaglekit.errors import EaglekitError
+from eaglekit.interop import formats
 from eaglekit.interop.formats import _verifier_path as verifier_path
 from eaglekit.interop.formats import read_config, read_weights
 from eaglekit.manifest import atomic_path, atomic_write_json
@@ -109,12 +110,7 @@ def compare(reference: DFlashDrafter, candidate: DFlashDrafter, what: str) -> fl
                                 f"{getattr(candidate.config, name)})")
     if not torch.equal(reference.d2t.cpu(), candidate.d2t.cpu()):
         raise EaglekitError(f"{what}: the vocabulary mapping (d2t) changed on the round trip")
-    expected, got = probe_logits(reference), probe_logits(candidate)
-    difference = (expected - got).abs().max().item()
-    tolerance = 0.0 if reference.fc.weight.dtype == torch.float32 else 1e-2 * expected.abs().max().item()
-    if difference > tolerance:
-        raise EaglekitError(f"{what}: logits differ by {difference:.3g} on the probe input (tolerance {tolerance:.3g})")
-    return difference
+    return formats.probe_difference(probe_logits(reference), probe_logits(candidate), reference.fc.weight.dtype, what)
 
 
 def export_dflash(drafter: DFlashDrafter, output: str | Path, fmt: str = "vllm",

@@ -351,3 +351,13 @@ def detect_format(data: dict[str, Any]) -> str:
         return "eagle3"
     raise EaglekitError(f"config.json with architectures {architectures} is not an EAGLE-3 drafter in a known layout "
                         f"(expected one of {', '.join(EAGLE3_ARCHITECTURES)} or a speculators eagle3 config)")
+
+
+def probe_difference(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, what: str) -> float:
+    """Max abs difference of a drafter's probe logits and its round-tripped copy's; raises above the tolerance:
+    none for fp32 weights (`dtype`), else 1% of the largest expected logit."""
+    difference = (expected - got).abs().max().item()
+    tolerance = 0.0 if dtype == torch.float32 else 1e-2 * expected.abs().max().item()
+    if difference > tolerance:
+        raise EaglekitError(f"{what}: logits differ by {difference:.3g} on the probe input (tolerance {tolerance:.3g})")
+    return difference
