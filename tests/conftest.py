@@ -64,3 +64,19 @@ def run_prompts(tmp_path) -> str:
                for i, t in enumerate(RUN_TOPICS)]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(chat_target, tmp_path_factory):
+    """An untrained drafter shaped for the chat target (the bad-input tests)."""
+    from user_errors import save_drafter
+
+    return save_drafter(tmp_path_factory.mktemp("drafter") / "drafter", chat_target, chat_target)
+
+
+@pytest.fixture
+def data(tmp_path):
+    """Twelve one-turn conversations in a JSONL file (the bad-input tests)."""
+    from user_errors import CHAT, write_jsonl
+
+    return write_jsonl(tmp_path / "data.jsonl", [{"id": f"r{i}", "messages": CHAT} for i in range(12)])
