@@ -21,14 +21,11 @@ Tensor names are vLLM's checkpoint names (`fc.weight`, `hidden_norm.weight`, `la
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -37,7 +34,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from eaglekit.draft.model import Eagle3Drafter, attend
+from eaglekit.draft.model import Eagle3Drafter, attend, read_drafter_config, read_drafter_state, save_drafter_files
 from eaglekit.errors import EaglekitError
 from eaglekit.layers import OUTPUT_OF_LAYER
 
@@ -268,41 +265,22 @@ class DFlashDrafter(nn.Module):
     # --- persistence ------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, include_embedding: bool = True) -> Path:
         """Write `config.json` + `model.safetensors` (eaglekit DFlash format), atomically."""
-        from eaglekit.manifest import atomic_path, atomic_write_json
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if not include_embedding:
-            state.pop("embed_tokens.weight")
-        with atomic_path(directory / "model.safetensors") as tmp:
-            save_file(state, str(tmp), metadata={"format": FORMAT})
-        atomic_write_json(directory / "config.json", {"format": FORMAT, "drafter_type": DRAFTER_TYPE,
-                                                      "architectures": ["DFlashDrafter"], **self.config.to_dict()})
-        return directory
+        return save_drafter_files(self, directory, include_embedding,
+                                  {"format": FORMAT, "drafter_type": DRAFTER_TYPE, "architectures": ["DFlashDrafter"],
+                                   **self.config.to_dict()})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None) -> DFlashDrafter:
         """Load an eaglekit DFlash drafter. A missing `embed_tokens.weight` stays zero: call `load_target_embedding`."""
         directory = Path(directory)
-        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-        if not config_path.is_file() or not weights_path.is_file():
-            raise EaglekitError(f"{directory} is not an eaglekit drafter (needs config.json and model.safetensors); "
-                                "use `eaglekit import` for vLLM's DFlash layout")
-        try:
-            data = json.loads(config_path.read_text())
-        except json.JSONDecodeError as error:
-            raise EaglekitError(f"{config_path} is not valid JSON ({error}); re-run the stage that wrote it") from None
+        config_path, weights_path, data = read_drafter_config(directory,
+                                                              "use `eaglekit import` for vLLM's DFlash layout")
         if data.get("format") != FORMAT:
             raise EaglekitError(f"{config_path} is not an eaglekit DFlash drafter; convert it with `eaglekit import "
                                 f"--source {directory}`")
         config = DFlashConfig.from_dict(data)
-        try:
-            state = load_file(str(weights_path))
-        except (SafetensorError, OSError) as error:
-            raise EaglekitError(f"{weights_path} is damaged or not a safetensors file ({error}); re-run the stage "
-                                "that wrote it") from None
+        state = read_drafter_state(weights_path, "re-run the stage that wrote it")
         return build_from_state(config, state, str(weights_path)).to(device=device, dtype=dtype)
 
 

@@ -367,43 +367,23 @@ class Eagle3Drafter(nn.Module):
 
     def save_pretrained(self, directory: str | Path, include_embedding: bool = True) -> Path:
         """Write `config.json` + `model.safetensors` (eaglekit format), atomically."""
-        from eaglekit.manifest import atomic_path, atomic_write_json
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if not include_embedding:
-            state.pop("embed_tokens.weight")
-        with atomic_path(directory / "model.safetensors") as tmp:
-            save_file(state, str(tmp), metadata={"format": FORMAT})
-        atomic_write_json(directory / "config.json",
-                          {"format": FORMAT, "architectures": ["Eagle3Drafter"], **self.config.to_dict()})
-        return directory
+        return save_drafter_files(self, directory, include_embedding,
+                                  {"format": FORMAT, "architectures": ["Eagle3Drafter"], **self.config.to_dict()})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None) -> Eagle3Drafter:
         """Load an eaglekit-format drafter. A missing `embed_tokens.weight` stays zero: call `load_target_embedding`."""
         directory = Path(directory)
-        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-        if not config_path.is_file() or not weights_path.is_file():
-            raise EaglekitError(f"{directory} is not an eaglekit drafter (needs config.json and model.safetensors); "
-                                "use `eaglekit import` for EAGLE, SGLang, vLLM or speculators checkpoints")
-        try:
-            data = json.loads(config_path.read_text())
-        except json.JSONDecodeError as error:
-            raise EaglekitError(f"{config_path} is not valid JSON ({error}); re-run the stage that wrote it") from None
+        config_path, weights_path, data = read_drafter_config(
+            directory, "use `eaglekit import` for EAGLE, SGLang, vLLM or speculators checkpoints")
         if data.get("format") != FORMAT:
             raise EaglekitError(f"{config_path} is not in eaglekit format; convert it with `eaglekit import "
                                 f"--source {directory}`")
         config = DrafterConfig.from_dict(data)
         with torch.device("meta"):
             model = cls(config)
-        try:
-            state = load_file(str(weights_path))
-        except (SafetensorError, OSError) as error:
-            raise EaglekitError(f"{weights_path} is damaged or not a safetensors file ({error}); re-run the stage that "
-                                "wrote it, or copy the drafter again") from None
+        state = read_drafter_state(weights_path, "re-run the stage that wrote it, or copy the drafter again")
         missing = set(model.state_dict()) - set(state) - {"embed_tokens.weight"}
         unexpected = set(state) - set(model.state_dict())
         if missing or unexpected:
@@ -418,3 +398,42 @@ class Eagle3Drafter(nn.Module):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+# --- the eaglekit drafter files (config.json + model.safetensors), shared by every drafter type --------------
+def save_drafter_files(drafter: nn.Module, directory: str | Path, include_embedding: bool,
+                       config: dict[str, Any]) -> Path:
+    """Write `drafter`'s weights (tagged with `config["format"]`) and `config` under `directory`, atomically."""
+    from eaglekit.manifest import atomic_path, atomic_write_json
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if not include_embedding:
+        state.pop("embed_tokens.weight")
+    with atomic_path(directory / "model.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": config["format"]})
+    atomic_write_json(directory / "config.json", config)
+    return directory
+
+
+def read_drafter_config(directory: Path, import_hint: str) -> tuple[Path, Path, dict[str, Any]]:
+    """(config path, weights path, the parsed config.json) of a saved drafter; refuses missing files naming
+    `import_hint` (how to bring another layout in) and a config.json that is not JSON."""
+    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise EaglekitError(f"{directory} is not an eaglekit drafter (needs config.json and model.safetensors); "
+                            f"{import_hint}")
+    try:
+        data = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise EaglekitError(f"{config_path} is not valid JSON ({error}); re-run the stage that wrote it") from None
+    return config_path, weights_path, data
+
+
+def read_drafter_state(weights_path: Path, fix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a saved drafter's model.safetensors; a damaged file is refused naming `fix`."""
+    try:
+        return load_file(str(weights_path))
+    except (SafetensorError, OSError) as error:
+        raise EaglekitError(f"{weights_path} is damaged or not a safetensors file ({error}); {fix}") from None
