@@ -1,6 +1,10 @@
-"""Tiny target and drafter builders shared by the decode tests (a library for them: holds no tests)."""
+"""Tiny target, drafter and data builders shared by the decode and train tests (a library for them: holds no tests)."""
 
 from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -91,3 +95,32 @@ def both_ttt_paths(drafter: nn.Module, aux, ids, loss_mask, probs, in_vocab, num
     slow = naive_ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=num_steps)
     slow.loss.backward()
     return fast, slow, grads
+
+
+WORDS = "the quick brown fox jumps over the lazy dog hello world what is two plus".split()
+
+
+def write_random_chats(path: Path, count: int, answer_words: tuple[int, int], seed: int = 0) -> Path:
+    """`count` one-turn chats of random WORDS (questions of 2..6 words, answers of `answer_words` words) as
+    JSON lines at `path`."""
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for i in range(count):
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
+            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*answer_words)))
+            handle.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": question},
+                                                                 {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def sampled_against_plain(decoder, prompts, method: str, samples: int) -> tuple[list, list, int]:
+    """`samples` seeded draws of 3 tokens at T=1 from the first two `prompts`, plain and with `method` (chain of 2) ->
+    (plain outputs, speculative outputs, drafts accepted in all), for a test of the output distribution."""
+    plain, speculative, accepted = [], [], 0
+    for seed in range(samples):
+        prompt = prompts[seed % 2]
+        plain.append(decoder.generate(prompt, 3, method="plain", temperature=1.0, seed=seed).tokens)
+        result = decoder.generate(prompt, 3, method=method, chain_length=2, temperature=1.0, seed=10_000 + seed)
+        speculative.append(result.tokens[:3])
+        accepted += sum(result.stats.accepted)
+    return plain, speculative, accepted

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from builders import VOCAB, tiny_target
+from builders import VOCAB, sampled_against_plain, tiny_target
 from eaglekit.decode import Decoder
 from eaglekit.decode.dflash import DFlashDrafterBackend
 from eaglekit.draft.dflash import DFlashConfig, DFlashDrafter
@@ -76,13 +76,7 @@ def test_sampled_dflash_keeps_the_targets_distribution() -> None:
     chain's p/q rule with each draft's own q), while drafts do get accepted (the rule is exercised)."""
     target = tiny_target("llama")
     decoder = Decoder(target, dflash_for(target, draft_vocab=VOCAB))
-    plain, speculative, accepted = [], [], 0
-    for seed in range(100):
-        prompt = PROMPTS[seed % 2]
-        plain.append(decoder.generate(prompt, 3, method="plain", temperature=1.0, seed=seed).tokens)
-        result = decoder.generate(prompt, 3, method="dflash", chain_length=2, temperature=1.0, seed=10_000 + seed)
-        speculative.append(result.tokens[:3])
-        accepted += sum(result.stats.accepted)
+    plain, speculative, accepted = sampled_against_plain(decoder, PROMPTS, "dflash", 100)
     assert accepted > 30
     assert compare(plain, speculative)["matches_plain"]
 

@@ -5,11 +5,12 @@ exact resume, init_from, and the refusals."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from builders import write_random_chats
 
 from eaglekit.config import load_config
 from eaglekit.draft.build import load_saved_drafter
@@ -17,20 +18,9 @@ from eaglekit.draft.dflash import DFlashDrafter
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import train as stage
 
-WORDS = "the quick brown fox jumps over the lazy dog hello world what is two plus".split()
-
-
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("dflash_data") / "chat.jsonl"
-    with open(path, "w") as handle:
-        for i in range(12):
-            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
-            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12)))
-            handle.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": question},
-                                                                 {"role": "assistant", "content": answer}]}) + "\n")
-    return path
+    return write_random_chats(tmp_path_factory.mktemp("dflash_data") / "chat.jsonl", 12, (6, 12))
 
 
 def options(chat_target, data_file, out, **extra):

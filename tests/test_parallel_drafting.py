@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from builders import VOCAB, OracleDrafter, random_drafter, tiny_target
+from builders import VOCAB, OracleDrafter, random_drafter, sampled_against_plain, tiny_target
 from eaglekit.decode import Decoder
 from eaglekit.decode.backends import EagerDrafter
 from eaglekit.decode.parallel import parallel_logits
@@ -109,13 +109,7 @@ def test_static_parallel_steps_equal_eager_ones() -> None:
 def test_sampled_parallel_keeps_the_targets_distribution() -> None:
     target = tiny_target("llama")
     decoder = Decoder(target, p_eagle(target))
-    plain, speculative, accepted = [], [], 0
-    for seed in range(150):
-        prompt = PROMPTS[seed % 2]
-        plain.append(decoder.generate(prompt, 3, method="plain", temperature=1.0, seed=seed).tokens)
-        result = decoder.generate(prompt, 3, method="parallel", chain_length=2, temperature=1.0, seed=10_000 + seed)
-        speculative.append(result.tokens[:3])
-        accepted += sum(result.stats.accepted)
+    plain, speculative, accepted = sampled_against_plain(decoder, PROMPTS, "parallel", 150)
     assert accepted > 20
     assert compare(plain, speculative)["matches_plain"]
 

@@ -4,11 +4,12 @@ vocabulary remapping, and every bad input the stage must refuse clearly."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from builders import write_random_chats
 
 from eaglekit.config import load_config
 from eaglekit.draft.build import with_vocab
@@ -17,20 +18,9 @@ from eaglekit.draft.vocab import VocabMapping, load_vocab, mapping_from_drafter,
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import train as stage
 
-WORDS = "the quick brown fox jumps over the lazy dog hello world what is two plus".split()
-
-
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("train_data") / "chat.jsonl"
-    with open(path, "w") as handle:
-        for i in range(20):
-            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
-            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
-            handle.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": question},
-                                                                 {"role": "assistant", "content": answer}]}) + "\n")
-    return path
+    return write_random_chats(tmp_path_factory.mktemp("train_data") / "chat.jsonl", 20, (4, 12))
 
 
 def options(chat_target, data_file, out, **extra):
