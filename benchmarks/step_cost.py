@@ -24,8 +24,9 @@ a step's cost does not depend on the weights' values, only on the shapes.
 - `mla` (with `--mla`): steps with an MLA drafter (DeepSeek-V3's latent ranks and head dims at this width),
   which decode through the eager drafter loop (no static MLA step), and one draft level of each drafter.
 - `dflash` (with `--dflash 4,7,15`): steps with a random DFlash drafter (`--dflash-layers`, 5 by default) drafting
-  k tokens a step in one block forward (eager drafter over the static target), and that block forward alone; with
-  `--reference-bench`, its `dflash` rows are projected onto the step of their chain length.
+  k tokens a step in one block forward (the fused step: static context buffers, one CUDA graph a step), and that
+  block forward alone (compiled, over the static buffers); with `--reference-bench`, its `dflash` rows are projected
+  onto the step of their chain length.
 - `projection` (with `--reference-bench`): the speed-up at this shape that a drafter with the reference
   target's measured tau would give, tau x plain step / speculative step, beside the reference target's
   own measured speed-up. A projection, not a measurement: it assumes the same acceptance at this shape.
@@ -256,33 +257,37 @@ def random_dflash(model, device: torch.device, dtype: torch.dtype, layers: int, 
 
 def dflash_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repeats: int, base: float,
                    layers: int, lengths: tuple[int, ...]) -> dict:
-    """Steps with a DFlash drafter (its eager block forward over the static target: no static DFlash step yet) at
-    each chain length k, and the drafting part alone: one block of k + 1 queries over the context."""
-    from eaglekit.decode.dflash import DFlashDrafterBackend
+    """Fused steps with a DFlash drafter (static context buffers) at each chain length k, and the drafting part
+    alone: one block of k + 1 queries over the context, compiled like the step."""
+    from eaglekit.decode.dflash_static import StaticDFlashDrafter
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     drafter = random_dflash(model, device, dtype, layers, block_size=max(lengths) + 1)
-    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=len(prompt) + new_tokens + 80)
+    capacity = len(prompt) + new_tokens + 80
+    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=capacity)
     steps, draft = {}, {}
     context = torch.randn(len(prompt) + new_tokens // 2, len(drafter.config.target_layer_ids) * model.config.hidden_size,
                           device=device, dtype=dtype)
-    backend = DFlashDrafterBackend(drafter)
-    with torch.inference_mode():
-        backend.extend(context, torch.zeros(context.shape[0], dtype=torch.long, device=device),
-                       torch.arange(context.shape[0], device=device))
+    length = torch.tensor(context.shape[0], device=device)
     for k in lengths:
         options = {"method": "dflash", "chain_length": k}
         ms = step_ms(decoder, prompt, new_tokens, options, repeats)
         steps[f"dflash{k}"] = {"options": options, "step_ms": ms, "ratio_to_plain": ms / base}
+        backend = StaticDFlashDrafter(drafter, capacity, k, compile=compile_)
+        with torch.inference_mode():
+            backend.extend(context, torch.zeros(context.shape[0], dtype=torch.long, device=device),
+                           torch.arange(context.shape[0], device=device))
+        block = graphs.compiled(lambda: backend.block_logits(torch.ones((), dtype=torch.long, device=device), length,
+                                                             k), compile_)
 
         def once():
             with torch.inference_mode():
-                backend.block_logits(torch.tensor(1, device=device), context.shape[0], k)
+                block()
         draft[f"dflash{k}"] = call_ms(once, device, repeats, 10)
     return {"drafter": {"layers": layers, "target_layer_ids": list(drafter.config.target_layer_ids),
                         "block_size": drafter.config.block_size},
-            "path": "eager DFlash drafter (block forward) over the static target; no fused step", "steps": steps,
-            "draft_ms_eager": draft, "context_tokens": context.shape[0]}
+            "path": "fused step over the static target and static DFlash context buffers", "steps": steps,
+            "draft_ms": draft, "context_tokens": context.shape[0]}
 
 
 def projection(reference_bench: str, plain: float, steps: dict[str, float]) -> list[dict]:
@@ -455,8 +460,8 @@ def markdown(result: dict) -> str:
         dflash = result["dflash"]
         lines += ["", f"DFlash drafter, {dflash['drafter']['layers']} layers ({dflash['path']}): "
                   + ", ".join(f"{n} {v['step_ms']:.3f} ms = {v['ratio_to_plain']:.3f}x plain" for n, v in dflash["steps"].items())
-                  + "; the block forward alone (eager, ms): "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in dflash["draft_ms_eager"].items())]
+                  + "; the block forward alone (ms): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in dflash["draft_ms"].items())]
     return "\n".join(lines) + "\n"
 
 

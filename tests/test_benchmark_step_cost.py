@@ -51,7 +51,7 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert all(v > 0 for v in mla["draft_level_ms_eager"].values())
     dflash = result["dflash"]  # a DFlash drafter's step: one block forward drafts the chain
     assert set(dflash["steps"]) == {"dflash2"} and dflash["steps"]["dflash2"]["step_ms"] > 0
-    assert dflash["draft_ms_eager"]["dflash2"] > 0 and dflash["drafter"]["layers"] == 1
+    assert dflash["draft_ms"]["dflash2"] > 0 and dflash["drafter"]["layers"] == 1
     text = (tmp_path / "step_cost.md").read_text()
     assert "| chain4 |" in text and "MLA drafter" in text and "DFlash drafter" in text
 

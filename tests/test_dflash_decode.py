@@ -9,6 +9,7 @@ import torch
 from builders import VOCAB, sampled_against_plain, tiny_target
 from eaglekit.decode import Decoder
 from eaglekit.decode.dflash import DFlashDrafterBackend
+from eaglekit.decode.dflash_static import StaticDFlashDrafter
 from eaglekit.draft.dflash import DFlashConfig, DFlashDrafter
 from eaglekit.errors import EaglekitError
 from eaglekit.interop.distribution import compare
@@ -46,13 +47,53 @@ def test_greedy_dflash_equals_plain(kind: str) -> None:
             assert speculative.stats.target_forwards <= 20  # every step emits at least its bonus token
 
 
-def test_static_target_backend_drafts_the_same() -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_fused_steps_equal_eager_ones(temperature: float) -> None:
+    """The static DFlash backend in the fused step: the eager reference's tokens and acceptance, greedy and sampled
+    (same seed), over several prompts reusing the same buffers (stale context slots stay masked)."""
+    target = tiny_target("llama")
+    drafter = dflash_for(target, draft_vocab=VOCAB)
+    static = Decoder(target, drafter, backend="static", max_length=64)
+    for prompt in PROMPTS:
+        options = dict(method="dflash", chain_length=3, temperature=temperature, seed=5)
+        eager = Decoder(target, drafter).generate(prompt, 16, **options)
+        fast = static.generate(prompt, 16, **options)
+        assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted)
+    assert isinstance(next(iter(static._drafters.values())), StaticDFlashDrafter)
+
+
+def test_static_block_equals_the_reference_block() -> None:
+    torch.manual_seed(0)
     target = tiny_target("llama")
     drafter = dflash_for(target)
-    eager = Decoder(target, drafter).generate(PROMPTS[0], 16, method="dflash", chain_length=3)
-    static = Decoder(target, drafter, backend="static", max_length=64).generate(PROMPTS[0], 16, method="dflash",
-                                                                                 chain_length=3)
-    assert static.tokens == eager.tokens and static.stats.accepted == eager.stats.accepted
+    reference, static = DFlashDrafterBackend(drafter), StaticDFlashDrafter(drafter, 32, 3)
+    aux = torch.randn(9, 2 * target.config.hidden_size)
+    with torch.no_grad():
+        for backend in (reference, static):
+            backend.extend(aux[:5], torch.zeros(5, dtype=torch.long), torch.arange(5))
+            backend.extend(aux[5:], torch.zeros(4, dtype=torch.long), torch.arange(5, 9))
+        torch.testing.assert_close(static.block_logits(torch.tensor(17), 9, 3),
+                                   reference.block_logits(torch.tensor(17), 9, 3))
+
+
+def test_compiled_fused_dflash_step_is_one_graph(monkeypatch) -> None:
+    """With compile=True the whole DFlash step (block, verify, verification, compaction, context write) traces as
+    one graph (dynamo, aot_eager on the CPU) and gives the eager reference's tokens."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from eaglekit.decode import graphs
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(graphs, "COMPILE_OPTIONS", {"backend": counter, "fullgraph": True, "dynamic": False})
+    monkeypatch.setattr(graphs, "PREFILL_OPTIONS", {"backend": "aot_eager", "fullgraph": True, "dynamic": None})
+    target = tiny_target("llama")
+    drafter = dflash_for(target)
+    options = dict(method="dflash", chain_length=3)
+    fast = Decoder(target, drafter, backend="static", compile=True, max_length=128).generate(PROMPTS[0], 16, **options)
+    eager = Decoder(target, drafter).generate(PROMPTS[0], 16, **options)
+    assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted)
+    assert counter.frame_count == 1
 
 
 def test_block_drafts_are_the_reference_forward_over_the_whole_context() -> None:

@@ -16,11 +16,14 @@ STATIC_DRAFTER_ARCHS = ("llama",)  # midlayers `static._StaticDraftNet` implemen
 
 
 def static_drafter_supported(drafter: torch.nn.Module) -> bool:
-    """True when the static drafter step covers `drafter`: an `Eagle3Drafter` with a Llama-style midlayer. Any
-    other drafter (another midlayer, or an object that only keeps the drafter contract) runs the eager
-    reference drafter, also under backend=static."""
+    """True when a static drafter step covers `drafter`: an `Eagle3Drafter` with a Llama-style midlayer, or a
+    `DFlashDrafter`. Any other drafter (another midlayer, or an object that only keeps the drafter contract) runs
+    the eager reference drafter, also under backend=static."""
+    from eaglekit.draft.dflash import DFlashDrafter
     from eaglekit.draft.model import Eagle3Drafter
 
+    if isinstance(drafter, DFlashDrafter):
+        return True
     return isinstance(drafter, Eagle3Drafter) and drafter.config.drafter_arch in STATIC_DRAFTER_ARCHS
 
 
@@ -62,23 +65,26 @@ class Decoder:
         backend.reset()
         return backend
 
-    def _drafter_backend(self, opts: DecodeOptions, method):
-        if not (self.static_drafter and method.static):
-            return method.eager_backend(self.drafter)
-        from eaglekit.decode.static import StaticDrafter
+    def _static(self, method) -> bool:
+        """True when target and drafter both run static for `method`: its steps then run fused (fused.py)."""
+        return self.static_drafter and isinstance(self.drafter, method.static_drafters)
 
+    def _drafter_backend(self, opts: DecodeOptions, method):
+        if not self._static(method):
+            return method.eager_backend(self.drafter)
         chain = opts.method in CHAIN_METHODS
         slots = opts.chain_length if chain else opts.depth * opts.tree_top_k  # draft slots
-        if slots not in self._drafters:
-            self._drafters[slots] = StaticDrafter(self.drafter, self.max_length, slots, compile=self.compile)
-        backend = self._drafters[slots]
+        key = (method.static_backend, slots)
+        if key not in self._drafters:
+            self._drafters[key] = method.static_backend(self.drafter, self.max_length, slots, self.compile)
+        backend = self._drafters[key]
         backend.reset()
         return backend
 
     def _fused_step(self, target_backend, drafter_backend, opts: DecodeOptions, vocab_size: int, method):
         """The one-function speculative step (`fused.FusedStep`) when target and drafter both run static, else
         None (the step-by-step loop of `engine.decode_loop`). One step object per target, options shape, vocab."""
-        if not (self.static_drafter and method.static):
+        if not self._static(method):
             return None
         from eaglekit.decode.fused import FusedStep, fused_shape
 

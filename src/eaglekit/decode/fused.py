@@ -78,7 +78,7 @@ class FusedStep:
         self.target, self.drafter, self.grow = target, drafter, grow  # grow: the method's draft function
         net = drafter.net.drafter
         param = net.fc.weight
-        self.state = _State(param.shape[0], net.config.draft_vocab_size, param.dtype, param.device)
+        self.state = _State(*drafter.state_sizes, param.dtype, param.device)  # the root's hidden (H,), logits (Vd,)
         self.nodes = draft_size(options)  # verify width
         self.path = min(options.draft_depth, self.nodes - 1) + 1  # longest accepted path, bonus included
         self.capacity = min(target.capacity, drafter.capacity)
@@ -102,7 +102,7 @@ class FusedStep:
         if options.method == "chain":
             k = nodes - 1
             return [(1, 1)] * k + [(k,), (1, 1)]
-        if options.method == "parallel":  # all k drafts drawn at once (`parallel.grow_parallel`)
+        if options.method in ("parallel", "dflash"):  # all k drafts drawn at once (`tree.chain_from_logits`)
             k = nodes - 1
             return [(k, 1), (k,), (1, 1)]
         k = options.tree_top_k

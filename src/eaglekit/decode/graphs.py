@@ -66,12 +66,16 @@ def call_step(fn: Callable, is_compiled: bool, *args):
 
 
 class GraphSteps:
-    """The drafter backend `engine.draft` sees inside the fused step: plain calls of a `static.StaticDrafter`'s
-    step module (the graph is captured once around the whole step), the stable length as a tensor."""
+    """The drafter backend a method's grow function sees inside the fused step: plain calls of a static drafter
+    backend's step module (the graph is captured once around the whole step), the stable length as a tensor."""
 
-    def __init__(self, owner: Any, stable: torch.Tensor):  # owner: static.StaticDrafter
+    def __init__(self, owner: Any, stable: torch.Tensor):  # owner: static.StaticDrafter or a StaticDFlashDrafter
         self.owner, self.stable = owner, stable
 
     def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
         slots, mask = self.owner.step_inputs(ids, visible, self.stable)
         return self.owner.net(hidden, ids, positions, slots, mask)
+
+    def block_logits(self, root_token: torch.Tensor, start: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """A DFlash block (`dflash_static.StaticDFlashDrafter`): the owner's own, already a fixed-shape function."""
+        return self.owner.block_logits(root_token, start, num_drafts)

@@ -7,6 +7,10 @@ options, vocab_size, generator) -> (DraftTree, ancestors (N, N) bool)` drafts wh
 
 - chain, tree: EAGLE-3, one drafter forward per draft level (`engine.grow_tree`).
 - parallel: P-EAGLE, the whole chain in one drafter forward (`eaglekit.decode.parallel`).
+- dflash: DFlash, the whole chain from one non-causal block forward (`eaglekit.decode.dflash`).
+
+Each method names its static drafter backend (`static_backend(drafter, capacity, num_drafts, compile)`), which
+`fused.FusedStep` runs as one step function on the static fast path.
 """
 
 from __future__ import annotations
@@ -25,25 +29,35 @@ class SpeculativeMethod:
     name: str
     grow: Callable[..., Any]  # see the module docstring
     eager_backend: Callable[[Any], Any]  # drafter -> the eager reference drafter backend
-    static: bool  # the static drafter backend (`static.StaticDrafter`) and the fused step (`fused.py`) run it
+    static_backend: Callable[..., Any]  # (drafter, capacity, num_drafts, compile) -> the static drafter backend
+    static_drafters: tuple[type, ...]  # the drafter classes the static backend covers
+
+
+def _eagle_static(drafter, capacity: int, draft_slots: int, compile: bool):
+    from eaglekit.decode.static import StaticDrafter
+
+    return StaticDrafter(drafter, capacity, draft_slots, compile=compile)
 
 
 def speculative_method(name: str) -> SpeculativeMethod:
-    """The grow function and eager backend of speculative method `name`."""
+    """The grow function and drafter backends of speculative method `name`."""
     from eaglekit.decode.backends import EagerDrafter
+    from eaglekit.draft.model import Eagle3Drafter
 
     if name in ("chain", "tree"):
         from eaglekit.decode.engine import grow_tree
 
-        return SpeculativeMethod(name, grow_tree, EagerDrafter, static=True)
+        return SpeculativeMethod(name, grow_tree, EagerDrafter, _eagle_static, (Eagle3Drafter,))
     if name == "parallel":
         from eaglekit.decode.parallel import grow_parallel
 
-        return SpeculativeMethod(name, grow_parallel, EagerDrafter, static=True)
+        return SpeculativeMethod(name, grow_parallel, EagerDrafter, _eagle_static, (Eagle3Drafter,))
     if name == "dflash":
         from eaglekit.decode.dflash import DFlashDrafterBackend, grow_dflash
+        from eaglekit.decode.dflash_static import StaticDFlashDrafter
+        from eaglekit.draft.dflash import DFlashDrafter
 
-        return SpeculativeMethod(name, grow_dflash, DFlashDrafterBackend, static=False)
+        return SpeculativeMethod(name, grow_dflash, DFlashDrafterBackend, StaticDFlashDrafter, (DFlashDrafter,))
     raise EaglekitError(f"method={name} is not a speculative method this eaglekit decodes")
 
 

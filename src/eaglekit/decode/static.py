@@ -411,6 +411,12 @@ class StaticDrafter:
         if compile:
             graphs.static_buffers(self.net)
 
+    @property
+    def state_sizes(self) -> tuple[int, int]:
+        """What a step hands the next: the root's hidden state (H,) and draft logits (Vd,)."""
+        drafter = self.net.drafter
+        return drafter.fc.weight.shape[0], drafter.config.draft_vocab_size
+
     def reset(self) -> None:
         self.stable_length = 0
 

@@ -172,6 +172,17 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
         return rope(k, cos, sin), v
 
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, Q, H) -> queries (B, nh, Q, D) (q_norm, RoPE)."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)  # (B, nh, Q, D)
+        return rope(q, cos, sin)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output (B, nh, Q, D) -> (B, Q, H)."""
+        b, _, q_len, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
     def forward(
         self,
         x: torch.Tensor,  # (B, Q, H) block tokens
@@ -180,13 +191,10 @@ class DFlashAttention(nn.Module):
         context: tuple[torch.Tensor, torch.Tensor],  # keys, values (B, nkv, S, D) of the context
         mask: Any,  # (B or 1, 1, Q, S + Q) bool, True = attend; a flex BlockMask; None = attend to all
     ) -> torch.Tensor:
-        b, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)  # (B, nh, Q, D)
+        q = self.project_q(x, cos, sin)  # (B, nh, Q, D)
         k, v = self.project_kv(x, cos, sin)  # (B, nkv, Q, D) each
-        q = rope(q, cos, sin)
         keys, values = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)  # (B, nkv, S + Q, D)
-        out = attend(q, keys, values, mask, enable_gqa=self.num_heads != self.num_kv_heads)  # (B, nh, Q, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))  # (B, Q, H)
+        return self.output(attend(q, keys, values, mask, enable_gqa=self.num_heads != self.num_kv_heads))  # (B, Q, H)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
