@@ -11,8 +11,8 @@ a step's cost does not depend on the weights' values, only on the shapes.
   CUDA graphs; the prefill excluded), with the target's fused q/k/v and gate/up GEMMs and with the separate
   projections; tokens/s as a fraction of the bound (model bytes / copy bandwidth measured in this run).
 - `steps`: per speculative shape (chain k = 3, 4, 7; tree depth 6, top-k 8, 48 and 60 nodes; P-EAGLE parallel
-  chains k = 4, 7, drafted in one drafter forward) the fused step's milliseconds (`decode/fused.py`: one CUDA graph
-  a step) and its ratio to a plain step. The drafter is a random P-EAGLE one (an EAGLE-3 drafter with
+  chains k = 4, 7: one drafter forward a step, the extend's, which also drafts the next chain's mask slots) the
+  fused step's milliseconds (`decode/fused.py`: one CUDA graph a step) and its ratio to a plain step. The drafter is a random P-EAGLE one (an EAGLE-3 drafter with
   `mask_hidden`): chains and trees draft with it as with any EAGLE-3 drafter.
 - `parts`: for the shapes named by `--parts`, each part of a step compiled and timed on its own at the
   same shapes: draft (the drafter's levels), verify forward (the target over the step's nodes),
@@ -54,7 +54,9 @@ from eaglekit.decode.engine import DecodeOptions, decode_loop, draft_size  # noq
 from eaglekit.decode.methods import speculative_method  # noqa: E402
 from eaglekit.decode_options import CHAIN_METHODS  # noqa: E402
 from eaglekit.decode.fused import tree_mask  # noqa: E402
+from eaglekit.decode.parallel import parallel_logits  # noqa: E402
 from eaglekit.decode.static import StaticDrafter, StaticTarget  # noqa: E402
+from eaglekit.decode.tree import chain_from_logits  # noqa: E402
 from eaglekit.decode.verify import greedy_path  # noqa: E402
 from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
 
@@ -154,9 +156,14 @@ def step_parts(model, drafter, prompt: list[int], shape: dict, compile_: bool, r
     hidden, draft_logits = backend.extend(aux, torch.cat([ids[1:], token.reshape(1)]), torch.arange(n, device=device))
     m = torch.tensor(n, device=device)
     root = (hidden[-1].clone(), draft_logits[-1].clone(), token.clone())
+    ahead = nodes - 2 if options.method == "parallel" else 0  # P-EAGLE: mask slots drafted with the extend (fused.py)
+    chain = parallel_logits(graphs.GraphSteps(backend, m), drafter, root[1], m, ahead + 1) if ahead else None
 
     def draft_part():
-        tree, ancestors = grow(graphs.GraphSteps(backend, m), drafter, *root, m, options, vocab, None)
+        if ahead:  # the fused step's draft: the chain from the logits the last extend left
+            tree, ancestors = chain_from_logits(drafter, chain, root[2], options, vocab, None)
+        else:
+            tree, ancestors = grow(graphs.GraphSteps(backend, m), drafter, *root, m, options, vocab, None)
         return tree.tokens, tree.parents, tree.depths, ancestors
     tokens, parents, depths, ancestors = (x.clone() for x in draft_part())
     offsets = torch.arange(nodes, device=device)
@@ -175,6 +182,8 @@ def step_parts(model, drafter, prompt: list[int], shape: dict, compile_: bool, r
         return path
 
     def extend():
+        if ahead:
+            return backend.extend_and_draft(verify_aux[path], tokens[path], m + rows, m, m + path_length, ahead)
         return backend._extend(verify_aux[path], tokens[path], m + rows, m)
     parts = {"draft": draft_part, "verify_forward": verify_forward, "verification": verification,
              "kv_compaction": compaction, "drafter_extend": extend}

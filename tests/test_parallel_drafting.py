@@ -96,14 +96,61 @@ def test_parallel_greedy_equals_plain(backend) -> None:
 
 
 def test_static_parallel_steps_equal_eager_ones() -> None:
+    """The fused step drafts a chain's mask slots in the previous step's extend forward: the eager reference's
+    tokens and acceptance (T=0 and T=1, chains of 1 and 3, prompts reusing the static buffers). A target whose final
+    norm is zeroed samples uniformly at T=1, so drafts at every chain position get accepted and the mask slots'
+    distributions decide the tokens."""
+    target, uniform = tiny_target("llama"), tiny_target("llama")
+    with torch.no_grad():
+        uniform.model.norm.weight.zero_()
+    drafter = p_eagle(target)
+    cases = [(target, prompt, 3, temperature) for prompt in PROMPTS for temperature in (0.0, 1.0)]
+    cases += [(target, PROMPTS[0], 1, 0.0)] + [(uniform, prompt, 3, 1.0) for prompt in PROMPTS]
+    deepest = 0
+    for model, prompt, chain_length, temperature in cases:
+        options = dict(method="parallel", chain_length=chain_length, temperature=temperature, seed=3)
+        eager = Decoder(model, drafter).generate(prompt, 16, **options)
+        fast = Decoder(model, drafter, "static", max_length=64).generate(prompt, 16, **options)
+        assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted)
+        deepest = max(deepest, *fast.stats.accepted)
+    assert deepest == 3  # a mask slot's draft was accepted
+
+
+def test_mask_slots_drafted_with_the_extend_equal_a_draft_step_after_it() -> None:
+    from eaglekit.decode.graphs import GraphSteps
+    from eaglekit.decode.static import StaticDrafter
+
     target = tiny_target("llama")
     drafter = p_eagle(target)
-    for temperature in (0.0, 1.0):
-        runs = [Decoder(target, drafter, backend).generate(PROMPTS[0], 12, method="parallel", chain_length=3,
-                                                           temperature=temperature, seed=3)
-                for backend in ("eager", "static")]
-        assert runs[0].tokens == runs[1].tokens
-        assert runs[0].stats.accepted == runs[1].stats.accepted
+    aux, ids = batch(2, b=1)[:2]
+    merged, separate = (StaticDrafter(drafter, 32, 3) for _ in range(2))
+    with torch.no_grad():
+        for backend in (merged, separate):
+            backend.extend(aux[0, :5], ids[0, 1:6], torch.arange(5))
+        stable, length = torch.tensor(5), torch.tensor(7)  # 3 rows written, the first 2 of them accepted
+        _, logits = merged.extend_and_draft(aux[0, 5:8], ids[0, 6:9], torch.arange(5, 8), stable, length, 2)
+        _, root = separate._extend(aux[0, 5:7], ids[0, 6:8], torch.arange(5, 7), stable)
+        expected = parallel_logits(GraphSteps(separate, length), drafter, root[-1], length, 3)  # (3, Vd)
+    torch.testing.assert_close(logits[1], expected[0])
+    torch.testing.assert_close(logits[3:], expected[1:])
+
+
+def test_compiled_parallel_step_is_one_graph(monkeypatch) -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from eaglekit.decode import graphs
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(graphs, "COMPILE_OPTIONS", {"backend": counter, "fullgraph": True, "dynamic": False})
+    monkeypatch.setattr(graphs, "PREFILL_OPTIONS", {"backend": "aot_eager", "fullgraph": True, "dynamic": None})
+    target = tiny_target("llama")
+    drafter = p_eagle(target)
+    options = dict(method="parallel", chain_length=3)
+    fast = Decoder(target, drafter, "static", compile=True, max_length=128).generate(PROMPTS[0], 16, **options)
+    eager = Decoder(target, drafter).generate(PROMPTS[0], 16, **options)
+    assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted)
+    assert counter.frame_count == 1
 
 
 def test_sampled_parallel_keeps_the_targets_distribution() -> None:

@@ -36,7 +36,9 @@ from torch import nn
 
 from eaglekit.decode import graphs
 from eaglekit.decode.engine import DecodeOptions, DecodeStats, draft_size, grow_tree
+from eaglekit.decode.parallel import parallel_logits
 from eaglekit.decode.sampling import PreDrawn, logits_to_probs, rand
+from eaglekit.decode.tree import chain_from_logits
 from eaglekit.decode.verify import greedy_path, rejection_tree_tokens, sampled_chain_path
 from eaglekit.errors import EaglekitError
 
@@ -44,11 +46,14 @@ from eaglekit.errors import EaglekitError
 class _State(nn.Module):
     """The loop-carried state of the steps (buffers at fixed addresses, updated in place)."""
 
-    def __init__(self, hidden: int, draft_vocab: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hidden: int, draft_vocab: int, ahead: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         # root's drafter state
         self.register_buffer("hidden", torch.zeros(hidden, dtype=dtype, device=device), persistent=False)
         self.register_buffer("logits", torch.zeros(draft_vocab, dtype=dtype, device=device), persistent=False)
+        # P-EAGLE: the logits of the next chain's drafts 2 .. k, drafted in the extend's forward
+        self.register_buffer("ahead_logits", torch.zeros(ahead, draft_vocab, dtype=dtype, device=device),
+                             persistent=False)
         self.register_buffer("token", torch.zeros((), dtype=torch.long, device=device), persistent=False)  # root token
         # m, = stable
         self.register_buffer("length", torch.zeros((), dtype=torch.long, device=device), persistent=False)
@@ -78,8 +83,11 @@ class FusedStep:
         self.target, self.drafter, self.grow = target, drafter, grow  # grow: the method's draft function
         net = drafter.net.drafter
         param = net.fc.weight
-        self.state = _State(*drafter.state_sizes, param.dtype, param.device)  # the root's hidden (H,), logits (Vd,)
         self.nodes = draft_size(options)  # verify width
+        # P-EAGLE: the k - 1 mask slots run in the same drafter forward as the extend
+        # (`StaticDrafter.extend_and_draft`), so a parallel step runs one drafter forward, as vLLM's does
+        self.ahead = self.nodes - 2 if options.method == "parallel" else 0
+        self.state = _State(*drafter.state_sizes, self.ahead, param.dtype, param.device)  # root hidden (H,), logits
         self.path = min(options.draft_depth, self.nodes - 1) + 1  # longest accepted path, bonus included
         self.capacity = min(target.capacity, drafter.capacity)
         self.options = fused_shape(options)
@@ -114,8 +122,12 @@ class FusedStep:
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
         source = PreDrawn(draws)
-        tree, ancestors = self.grow(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits,
-                                    state.token, m, options, vocab_size, source)
+        if self.ahead:  # P-EAGLE: the chain's logits came with the last extend
+            chain = torch.cat([state.logits[None], state.ahead_logits])  # (k, Vd)
+            tree, ancestors = chain_from_logits(drafter.net.drafter, chain, state.token, options, vocab_size, source)
+        else:
+            tree, ancestors = self.grow(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits,
+                                        state.token, m, options, vocab_size, source)
         n = tree.tokens.shape[0]
         offsets = torch.arange(n, device=m.device)
         mask = tree_mask(target._columns, m, ancestors)[None, None]
@@ -138,7 +150,11 @@ class FusedStep:
         rows = torch.arange(self.path, device=m.device)
         new_tokens = torch.where(rows + 1 < count, tree.tokens[after], bonus)  # accepted drafts, then the bonus
         # rows >= count are overwritten later
-        hidden, draft_logits = drafter._extend(aux[path], new_tokens, m + rows, m)
+        if self.ahead:
+            hidden, draft_logits = drafter.extend_and_draft(aux[path], new_tokens, m + rows, m, m + count, self.ahead)
+            state.ahead_logits.copy_(draft_logits[self.path :])
+        else:
+            hidden, draft_logits = drafter._extend(aux[path], new_tokens, m + rows, m)
         last = (count - 1).reshape(1)
         state.hidden.copy_(hidden.index_select(0, last)[0])
         state.logits.copy_(draft_logits.index_select(0, last)[0])
@@ -156,6 +172,10 @@ class FusedStep:
         state.logits.copy_(root_logits)
         state.token.copy_(root_token)
         state.length.fill_(length)
+        if self.ahead:  # the first chain's mask slots (later ones come with each step's extend)
+            state.ahead_logits.copy_(parallel_logits(graphs.GraphSteps(self.drafter, state.length),
+                                                     self.drafter.net.drafter, root_logits, state.length,
+                                                     self.ahead + 1)[1:])
         queued: deque = deque()  # (host buffer, event) of launched steps not yet read
         done, confirmed, launched = False, length, 0
         while not done:

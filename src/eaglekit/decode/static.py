@@ -444,6 +444,25 @@ class StaticDrafter:
         mask = self._columns[None] <= stable + offsets[:, None]  # (T, capacity + draft_slots)
         return self.net(feature, next_ids, positions, stable + offsets, mask[None, None], fixed_shape)
 
+    def extend_and_draft(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                         stable: torch.Tensor, length: torch.Tensor, num_slots: int):
+        """`_extend` of T positions after the first `stable` and, in the same drafter forward, `num_slots` P-EAGLE
+        mask slots at positions length .. length + num_slots - 1 (the next step's drafts 2 .. k, `parallel.py`): a
+        slot sees the first `length` feature positions and the slots before it, as `parallel_logits`' draft step
+        does once the next step starts -> hidden (T + num_slots, H), logits (T + num_slots, Vd)."""
+        t, drafter = next_ids.shape[0], self.net.drafter
+        dtype = self.net.cos.dtype
+        offsets, ahead = torch.arange(t, device=self.device), torch.arange(num_slots, device=self.device)
+        feature = torch.cat([drafter.fuse(aux.to(dtype)), drafter.mask_feature().to(dtype).expand(num_slots, -1)])
+        ids = torch.cat([next_ids, torch.full((num_slots,), drafter.config.mask_token_id, dtype=torch.long,
+                                              device=self.device)])
+        columns = self._columns[None]  # (1, capacity + draft_slots)
+        slot_columns = self.capacity + ahead[:, None]  # (num_slots, 1)
+        mask = torch.cat([columns <= stable + offsets[:, None],  # (T, C): causal over the feature positions
+                          (columns < length) | ((columns >= self.capacity) & (columns <= slot_columns))])
+        return self.net(feature, ids, torch.cat([positions, length + ahead]),
+                        torch.cat([stable + offsets, slot_columns[:, 0]]), mask[None, None])
+
     def step_inputs(self, ids: torch.Tensor, visible: torch.Tensor, stable: int | torch.Tensor):
         """Cache slots and the (1, 1, k, capacity + draft_slots) mask of a draft step of k nodes that see
         the first `stable` feature positions and, among the draft slots, `visible` (k, E + k)."""
