@@ -80,3 +80,53 @@ def data(tmp_path):
     from user_errors import CHAT, write_jsonl
 
     return write_jsonl(tmp_path / "data.jsonl", [{"id": f"r{i}", "messages": CHAT} for i in range(12)])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_probed_once():
+    """The engine venvs do not change during a test session, so vLLM's version and device (`import vllm` in a
+    subprocess: seconds each) are probed once per Python named by EAGLEKIT_VLLM_PYTHON or the checkout's
+    .venv-vllm; any other Python (the fakes of the engine unit tests) is probed each time, as in use."""
+    from eaglekit.interop import vllm_engine
+    from engines import engine_python
+
+    real, stable, found = vllm_engine.probe, engine_python("EAGLEKIT_VLLM_PYTHON", ".venv-vllm"), {}
+
+    def probe(python: str, timeout: float = 300.0) -> tuple[str, str]:
+        if python != stable:
+            return real(python, timeout)
+        if python not in found:
+            found[python] = real(python, timeout)
+        return found[python]
+
+    vllm_engine.probe = probe
+    yield
+    vllm_engine.probe = real
+
+
+@pytest.fixture(scope="session")
+def tiny_answers(tmp_path_factory) -> str:
+    """The built-in tiny target's own greedy answers to 32 shipped prompts (40 new tokens), made once per session."""
+    from engines import own_answers
+
+    return own_answers("tiny", tmp_path_factory.mktemp("tiny_answers"), records=32, new_tokens=40)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tmp_path_factory, tiny_answers):
+    """`tiny_drafter(**flags)`: an EAGLE-3 drafter trained for 30 steps on `tiny_answers` with the drafter
+    options `flags`, trained once per session for each set of flags (training is seeded: the same flags give the
+    same drafter in every test that asks)."""
+    from engines import train_drafter
+
+    trained: dict[tuple, str] = {}
+
+    def drafter(**flags) -> str:
+        key = tuple(sorted(flags.items()))
+        if key not in trained:
+            name = "_".join(f"{k}-{v}" for k, v in key) or "eagle3"
+            trained[key] = train_drafter("tiny", tmp_path_factory.mktemp(f"tiny_drafter_{name}"), steps=30, lr=2e-3,
+                                         data=tiny_answers, **flags)
+        return trained[key]
+
+    return drafter

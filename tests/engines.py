@@ -65,10 +65,12 @@ def own_answers(target: str, output: Path, records: int = 32, new_tokens: int = 
 
 
 def train_drafter(target: str, output: Path, steps: int = 40, lr: float = 1e-3, data: str = "",
-                  draft_vocab_size: int = 1024, drafter_arch: str = "llama", drafter_type: str = "eagle3") -> str:
+                  draft_vocab_size: int = 1024, drafter_arch: str = "llama", drafter_type: str = "eagle3",
+                  **options) -> str:
     """A drafter trained online for `steps` optimizer steps on the target's hidden states over `data`
-    (default: the shipped prompts). vLLM's CPU build serves an MLA target only with an MLA drafter
-    (drafter_arch="mla"): its CPU_MLA backend takes block size 16, its other attention multiples of 32."""
+    (default: the shipped prompts), with further TrainConfig `options` (e.g. norm_before_fc=True). vLLM's CPU build
+    serves an MLA target only with an MLA drafter (drafter_arch="mla"): its CPU_MLA backend takes block size 16, its
+    other attention multiples of 32."""
     from eaglekit.draft.train import train
     from eaglekit.train_config import TrainConfig
 
@@ -76,7 +78,7 @@ def train_drafter(target: str, output: Path, steps: int = 40, lr: float = 1e-3, 
                          draft_vocab_size=draft_vocab_size, drafter_arch=drafter_arch, drafter_type=drafter_type,
                          ttt_steps=3, max_steps=steps,
                          batch_size=4, max_length=192, lr=lr, warmup_steps=2, val_fraction=0.0, log_every=1000,
-                         save_every=100000, device="cpu", dtype="fp32")
+                         save_every=100000, device="cpu", dtype="fp32", **options)
     train(config)
     return str(output)
 

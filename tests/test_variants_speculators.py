@@ -75,19 +75,9 @@ def speculators_checkpoint(trained: str, workdir) -> tuple[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> str:
+def trained(tiny_drafter) -> str:
     engines.vllm_python(), engines.speculators_python()  # skip before any work when a venv is missing
-    root = tmp_path_factory.mktemp("speculators_variant")
-    from test_variants_vllm import shared_answers
-
-    answers = shared_answers(tmp_path_factory)
-    from eaglekit.draft.train import train
-    from eaglekit.train_config import TrainConfig
-
-    train(TrainConfig(target="tiny", data=(answers,), output=str(root / "drafter"), draft_vocab_size=1024, ttt_steps=3,
-                      max_steps=30, batch_size=4, max_length=192, lr=2e-3, warmup_steps=2, val_fraction=0.0,
-                      log_every=1000, save_every=100000, device="cpu", dtype="fp32", norm_before_fc=True))
-    return str(root / "drafter")
+    return tiny_drafter(norm_before_fc=True)  # the drafter tests/test_variants_vllm.py serves
 
 
 def test_speculators_norm_before_fc_checkpoint_imports_and_decodes_as_vllm(trained, tmp_path):
