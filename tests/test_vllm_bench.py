@@ -23,13 +23,11 @@ NUM_PROMPTS, NEW_TOKENS = 4, 32
 
 
 @pytest.fixture(scope="module")
-def benched(tmp_path_factory) -> tuple[Path, dict]:
+def benched(tiny_drafter, tmp_path_factory) -> tuple[Path, dict]:
     """One `bench engine=vllm methods=chain` run on the tiny target: (output dir, bench.json)."""
     python = engines.vllm_python()
-    root = tmp_path_factory.mktemp("vllm_bench")
-    answers = engines.own_answers("tiny", root / "regen")
-    drafter = engines.train_drafter("tiny", root / "drafter", steps=30, lr=2e-3, data=answers)
-    output = root / "bench"
+    drafter = tiny_drafter()  # trained on the target's own answers (regen, then train)
+    output = tmp_path_factory.mktemp("vllm_bench") / "bench"
     overrides = [f"prompts={engines.EVAL_PROMPTS}", "target=tiny", f"drafter={drafter}", "methods=chain",
                  "chain_length=3", "temperatures=0,1", f"num_prompts={NUM_PROMPTS}", f"max_new_tokens={NEW_TOKENS}",
                  "repeats=1", "warmup=0", "device=cpu", f"output={output}", "engine=vllm", f"vllm_python={python}",
