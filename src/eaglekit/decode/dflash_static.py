@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from eaglekit.decode import graphs
-from eaglekit.decode.static import _bucket, _pad_positions, _pad_rows, _rotary_tables, attention
+from eaglekit.decode.static import StaticExtend, _rotary_tables, attention
 
 
 class StaticDFlashNet(nn.Module):
@@ -84,9 +84,10 @@ class StaticDFlashNet(nn.Module):
         return drafter.lm_head(drafter.norm(x))[0]  # (Q, Vd)
 
 
-class StaticDFlashDrafter:
+class StaticDFlashDrafter(StaticExtend):
     """Drafter backend over `StaticDFlashNet`: `extend` writes the context (its first call, the prompt's, compiled
-    for any length), `block_logits` drafts; the speculative steps run in `fused.FusedStep`."""
+    for any length) and returns empty (T, 0) hidden states and logits (DFlash drafts from the block alone),
+    `block_logits` drafts; the speculative steps run in `fused.FusedStep`."""
 
     state_sizes = (0, 0)  # DFlash keeps no per-position hidden state or draft logits between steps
 
@@ -99,21 +100,6 @@ class StaticDFlashDrafter:
         self._prefill = graphs.prefill_compiled(self._first_extend, compile)
         if compile:
             graphs.static_buffers(self.net)
-
-    def reset(self) -> None:
-        self.stable_length = 0
-
-    def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
-        """Append the context of the accepted positions -> empty (T, 0) hidden states and logits (DFlash drafts from
-        the block alone). The first call after `reset` is the prompt's, padded like the target's prefill."""
-        stable, t = self.stable_length, next_ids.shape[0]
-        self.stable_length += t
-        if stable == 0:
-            rows = _bucket(t, self.capacity, self.compile)
-            hidden, logits = self._prefill(_pad_rows(aux, rows), _pad_rows(next_ids, rows),
-                                           _pad_positions(positions, rows, self.capacity))
-            return hidden[:t], logits[:t]
-        return self._extend(aux, next_ids, positions, stable)
 
     def _first_extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
         return self._extend(aux, next_ids, positions, 0)

@@ -393,7 +393,31 @@ class _StaticDraftNet(nn.Module):
         return hidden_next[0], logits[0]
 
 
-class StaticDrafter:
+class StaticExtend:
+    """What the static drafter backends share: `stable_length` (the feature positions written) and `extend`, whose
+    first call after `reset` is the prompt's, padded like the target's prefill and compiled (`_prefill`) for any
+    prompt length; later calls run `_extend`, which the fused step also calls inside its graph."""
+
+    capacity: int
+    compile: bool
+    stable_length = 0
+
+    def reset(self) -> None:
+        self.stable_length = 0
+
+    def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
+        """Append the accepted positions -> the drafter's hidden states and logits at them."""
+        stable, t = self.stable_length, next_ids.shape[0]
+        self.stable_length += t
+        if stable == 0:  # padded like the target's prefill (`StaticTarget._prefill`)
+            rows = _bucket(t, self.capacity, self.compile)
+            hidden, logits = self._prefill(_pad_rows(aux, rows), _pad_rows(next_ids, rows),
+                                           _pad_positions(positions, rows, self.capacity))
+            return hidden[:t], logits[:t]
+        return self._extend(aux, next_ids, positions, stable)
+
+
+class StaticDrafter(StaticExtend):
     """Drafter backend over `_StaticDraftNet` (the prefill extend of `backends.EagerDrafter`'s methods; the
     speculative steps run in `fused.FusedStep`, which calls the step module through `graphs.GraphSteps`).
 
@@ -416,21 +440,6 @@ class StaticDrafter:
         """What a step hands the next: the root's hidden state (H,) and draft logits (Vd,)."""
         drafter = self.net.drafter
         return drafter.fc.weight.shape[0], drafter.config.draft_vocab_size
-
-    def reset(self) -> None:
-        self.stable_length = 0
-
-    def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
-        """Append the accepted positions; the first call after `reset` is the prefill (compiled with
-        `compile=True` for any prompt length)."""
-        stable, t = self.stable_length, next_ids.shape[0]
-        self.stable_length += t
-        if stable == 0:  # padded like the target's prefill (`StaticTarget._prefill`)
-            rows = _bucket(t, self.capacity, self.compile)
-            hidden, logits = self._prefill(_pad_rows(aux, rows), _pad_rows(next_ids, rows),
-                                           _pad_positions(positions, rows, self.capacity))
-            return hidden[:t], logits[:t]
-        return self._extend(aux, next_ids, positions, stable)
 
     def _first_extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
         return self._extend(aux, next_ids, positions, 0, fixed_shape=False)
