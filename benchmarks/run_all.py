@@ -157,10 +157,11 @@ def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...], bench_methods
     run_stage.run(load_config(run_stage.Config, None, overrides))
 
 
-def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_repeats: int) -> None:
+def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_repeats: int, bench_options: str = "") -> None:
     """A second drafter trained by the run's own train stage with some options changed (`--variant`: same
     shards, vocabulary, split, seed and steps) and benched by the run's bench stage on the same prompts
-    (speculative methods only: plain decoding does not depend on the drafter)."""
+    (speculative methods only: plain decoding does not depend on the drafter), with `--variant-bench` bench
+    options changed (e.g. chain_length=7 for a P-EAGLE chain that costs about what a chain of 4 does)."""
     from eaglekit.config import load_config, parse_overrides, to_dict
     from eaglekit.manifest import atomic_write_json, environment
     from eaglekit.stages import bench as bench_stage
@@ -189,13 +190,15 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
     chain = {"chain_length": int(options.get("block_size", 16)) - 1} if kind == "dflash" else {}  # the whole block
     bench_config = load_config(type(bench_config), None, {
         **to_dict(bench_config), "drafter": str(variant_dir / "train"), "output": str(variant_dir / "bench"),
-        "methods": list(methods), **chain, **({"repeats": bench_repeats} if bench_repeats else {})})
+        "methods": list(methods), **chain, **({"repeats": bench_repeats} if bench_repeats else {}),
+        **(parse_overrides(bench_options.split(",")) if bench_options else {})})
     rows = bench_stage.run(bench_config)["rows"]
     base = json.loads((run / "train" / "manifest.json").read_text())
     atomic_write_json(out / name, {
         "benchmark": "drafter_variant", "variant": options, "environment": environment(),
         "baseline": {"val": base.get("val"), "steps": base.get("steps"), "drafter": str(run / "train")},
         "trained": {"val": trained.get("val"), "steps": trained.get("steps"), "drafter": str(variant_dir / "train")},
+        "bench_options": {"methods": list(bench_config.methods), "chain_length": bench_config.chain_length},
         "bench": rows,
     })
 
@@ -317,6 +320,7 @@ def summarise(work: Path, out: Path) -> dict:
         **{key: load(out / f"{key}.json") for key in VARIANT_KEYS},
         "step_cost_8b": load(out / "step_cost_8b.json"),
     }
+    summary["methods"] = side_by_side(summary)
     for key in ("reference_target", "draft_lm"):
         if summary[key]:
             summary[key] = {k: v for k, v in summary[key].items() if k != "eval_records"}
@@ -344,6 +348,12 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
         lines += [f"| {s['stage']} | {s['seconds']} | {'-' if s.get('peak_gpu_gb') is None else s['peak_gpu_gb']} |" for s in steps] + [""]
     if bench_table:
         lines += ["## Bench", "", bench_table.strip(), ""]
+    if summary.get("methods"):
+        lines += ["## Drafter types side by side (same prompts, same run; speed-up over this run's plain at the same T)", "",
+                  "| drafter | method | drafts | T | tokens/s | speed-up | tau | acceptance per position |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['drafter']} | {r['method']} | {r['drafts']} | {r['temperature']:g} | {r['tokens_per_second']:.1f} | "
+                  f"{r['speedup_vs_plain']:.2f}x | {r['tau']:.2f} | {' '.join(f'{a:.2f}' for a in r['acceptance_per_position'])} |"
+                  for r in summary["methods"]] + [""]
     speed = []
     for name in ("decode_speed_reference", "decode_speed_8b"):
         d = summary.get(name)
@@ -390,6 +400,28 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(summary: dict) -> list[dict]:
+    """Every speculative row of the run's bench (EAGLE-3) and of the drafter-type variants, with its speed-up over
+    the run's own plain decoding at the same temperature (all benched on the same prompts in one run)."""
+    bench = (summary.get("bench") or {}).get("rows", [])
+    plain = {r["temperature"]: r["tokens_per_second"] for r in bench if r.get("method") == "plain" and r.get("tokens_per_second")}
+    config = (summary.get("bench") or {}).get("config") or {}
+    sources = [("eagle3", config, bench)]
+    sources += [(summary[key]["variant"].get("drafter_type", "eagle3 variant"), summary[key].get("bench_options") or {},
+                 summary[key]["bench"]) for key in VARIANT_KEYS if summary.get(key)]
+    rows = []
+    for drafter, options, source in sources:
+        for r in source:
+            if r.get("tau") is None or r.get("temperature") not in plain:
+                continue
+            drafts = (f"tree {options.get('total_tokens', config.get('total_tokens'))} tokens, depth {options.get('depth', config.get('depth'))}"
+                      if r["method"] == "tree" else f"{options.get('chain_length', config.get('chain_length'))}")
+            rows.append({"drafter": drafter, "method": r["method"], "drafts": drafts, "temperature": r["temperature"],
+                         "tokens_per_second": r["tokens_per_second"], "speedup_vs_plain": r["tokens_per_second"] / plain[r["temperature"]],
+                         "tau": r["tau"], "acceptance_per_position": r.get("acceptance_per_position") or []})
+    return rows
+
+
 def variant_line(variant: dict) -> str:
     """One markdown line of a `run_variant` result: its options, val accuracy per position beside the baseline's,
     and its bench taus."""
@@ -418,6 +450,8 @@ def main() -> int:
                         help="peer part: also train eaglekit drafters with these train options changed (peer_speculators.py --variants)")
     parser.add_argument("--variant", default="fc_norm=true,norm_output=true", metavar="KEY=VALUE,...",
                         help="variant part: train options changed for the second drafter (default: EAGLE 3.1's fc_norm + norm_output)")
+    parser.add_argument("--variant-bench", default="", metavar="KEY=VALUE,...",
+                        help="variant part: bench options changed for it (e.g. chain_length=7)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else GPU
@@ -440,7 +474,8 @@ def main() -> int:
         "extract_speed": lambda: run_extract_speed(work, out, args.smoke),
         "extract_speed_reference": lambda: (run_extract_speed(work, out, True) if args.smoke
                                             else run_extract_speed_reference(work, out)),
-        "variant": lambda: run_variant(work, out, args.variant, args.bench_methods, args.bench_repeats),
+        "variant": lambda: run_variant(work, out, args.variant, args.bench_methods, args.bench_repeats,
+                                               args.variant_bench),
         "step_cost": lambda: run_step_cost(work, out, args.smoke),
         "summary": lambda: summarise(work, out),
     }

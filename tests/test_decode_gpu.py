@@ -47,3 +47,26 @@ def test_compiled_cuda_fused_step_full_acceptance_fits_the_tightest_cache():
         decoder = Decoder(target, drafter, backend="static", compile=True, max_length=len(PROMPT) + new + 3 + 2)
         result = decoder.generate(PROMPT, new, method=method, depth=3, tree_top_k=1, total_tokens=3, chain_length=3)
         assert result.tokens == [0] * new and result.stats.accepted == [3] * 4, method
+
+
+def test_compiled_cuda_parallel_and_dflash_steps_equal_eager():
+    """P-EAGLE (the chain's mask slots drafted in the extend forward) and DFlash (the block over static context
+    buffers) compiled into their fused steps: the eager reference's tokens and acceptance, greedy and sampled. The
+    second target samples uniformly (final norm zeroed), so drafts deep in the chain or block get accepted."""
+    from test_dflash_decode import dflash_for
+    from test_parallel_drafting import p_eagle
+
+    torch._dynamo.reset()
+    target, uniform = tiny_target("llama"), tiny_target("llama")
+    with torch.no_grad():
+        uniform.model.norm.weight.zero_()
+    for method, make in (("parallel", p_eagle), ("dflash", dflash_for)):
+        drafter = make(target).cuda()
+        for model, temperature in ((target, 0.0), (target, 1.0), (uniform, 1.0)):
+            model = model.cuda()
+            decoder = Decoder(model, drafter, backend="static", compile=True, max_length=128)
+            for prompt in (PROMPT, LONG_PROMPT):
+                options = dict(method=method, chain_length=3, temperature=temperature, seed=3)
+                expected = generate(model, drafter, prompt, NEW, backend="eager", **options)
+                fast = decoder.generate(prompt, NEW, **options)
+                assert (fast.tokens, fast.stats.accepted) == (expected.tokens, expected.stats.accepted), (method, temperature)
