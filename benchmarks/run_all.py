@@ -91,6 +91,13 @@ GPU = {
                   "temperatures": [0.0, 1.0], "depth": 6, "tree_top_k": 8, "total_tokens": 48, "chain_length": 4},
     },
 }
+# The same flow in about 10 minutes on one GPU (a side-by-side of drafter types when GPU time is short): half the
+# target's steps on a third of the corpus, half the prompts, 500 drafter steps; bench as in GPU.
+QUICK = {
+    "target": {**GPU["target"], "steps": 600, "corpus_mb": 40.0, "num_prompts": 1200},
+    "draft_lm": GPU["draft_lm"],
+    "run": {**GPU["run"], "train": {**GPU["run"]["train"], "max_steps": 500, "save_every": 250}},
+}
 SMOKE = {
     "target": dict(hidden_size=64, num_layers=8, num_heads=2, num_kv_heads=1, intermediate_size=128,
                    vocab_size=1024, seq_len=128, batch_size=4, steps=4, corpus="stdlib", corpus_mb=2.0,
@@ -452,9 +459,11 @@ def main() -> int:
                         help="variant part: train options changed for the second drafter (default: EAGLE 3.1's fc_norm + norm_output)")
     parser.add_argument("--variant-bench", default="", metavar="KEY=VALUE,...",
                         help="variant part: bench options changed for it (e.g. chain_length=7)")
+    parser.add_argument("--quick", action="store_true", help="GPU sizes cut to about 10 minutes for target, pipeline, "
+                        "bench and two variants (QUICK: 600 target steps, 500 drafter steps)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
     args = parser.parse_args()
-    sizes = SMOKE if args.smoke else GPU
+    sizes = SMOKE if args.smoke else QUICK if args.quick else GPU
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
