@@ -236,9 +236,10 @@ def test_fused_step_lowers_through_inductor(monkeypatch):
     target = tiny_target("llama")
     drafter = random_drafter(target)
     decoder = Decoder(target, drafter, backend="static", compile=True, max_length=128)
-    for options in (dict(method="tree", depth=3, tree_top_k=3, total_tokens=8),
-                    dict(method="chain", chain_length=3, temperature=1.0, seed=3),  # greedy tree; p/q rule with drawn uniforms
-                    dict(method="tree", depth=3, tree_top_k=3, total_tokens=8, temperature=1.0, seed=3)):  # sampled children
+    # the p/q rule with drawn uniforms; sampled children (the greedy tree's graph differs from the sampled one only in
+    # its acceptance rule, which the static backend's own tests compare with the eager one)
+    for options in (dict(method="chain", chain_length=3, temperature=1.0, seed=3),
+                    dict(method="tree", depth=3, tree_top_k=3, total_tokens=8, temperature=1.0, seed=3)):
         fast, code = run_and_get_code(lambda: decoder.generate(PROMPT, NEW, **options))
         eager = generate(target, drafter, PROMPT, NEW, backend="eager", **options)
         assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted), options

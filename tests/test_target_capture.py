@@ -46,6 +46,9 @@ FAMILIES = {
     "deepseek_v3": (_deepseek_v3, tf.DeepseekV3ForCausalLM, "model.layers"),
     "gemma2": (lambda: tf.Gemma2Config(**COMMON, head_dim=8), tf.Gemma2ForCausalLM, "model.layers"),
     "gemma3_text": (lambda: tf.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=4), tf.Gemma3ForCausalLM, "model.layers"),
+    # LFM2 names its final norm embedding_norm; its short-convolution layers are captured like attention ones
+    "lfm2": (lambda: tf.Lfm2Config(**COMMON, layer_types=["conv", "full_attention", "conv", "full_attention", "conv"]),
+             tf.Lfm2ForCausalLM, "model.layers"),
     "llava": (lambda: tf.LlavaConfig(text_config=tf.LlamaConfig(**COMMON).to_dict(),
                                      vision_config=tf.CLIPVisionConfig(**VISION).to_dict(), image_token_index=127),
               tf.LlavaForConditionalGeneration, "model.language_model.layers"),
@@ -239,3 +242,15 @@ def test_verification_accepts_a_pre_norm_last_hidden_state():
     with HiddenStateCapture(model, (1, 2, 3)) as capture:
         result = verify_capture(model, capture, torch.randint(0, 100, (1, 5)))
     assert result.ok and "before the final norm" in result.reference and "final" in result.compared
+
+
+def test_a_final_norm_of_an_unknown_name_is_one_error_naming_both_fixes():
+    model = build("llama")
+    model.model.final_rms = model.model.norm
+    del model.model.norm
+    with pytest.raises(EaglekitError) as error:
+        HiddenStateCapture(model, (1, 2, 3))
+    message = str(error.value)
+    assert message.startswith("no final norm (norm, final_layernorm, ln_f, final_layer_norm, embedding_norm) found "
+                              "next to model.layers in LlamaForCausalLM: if model.layers is not the text decoder's")
+    assert "pass decoder_path=" in message and "names its final norm otherwise" in message

@@ -43,7 +43,7 @@ KNOWN_LAYER_PATHS = (
     "transformer.h",
     "gpt_neox.layers",
 )
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "embedding_norm")  # LFM2: embedding_norm is its final norm
 _NON_TEXT = ("vision", "visual", "audio", "image", "vit", "encoder", "mm_projector", "multi_modal")
 
 
@@ -197,7 +197,8 @@ class HiddenStateCapture:
         if capture_final and self.stack.norm is None:
             raise EaglekitError(
                 f"no final norm ({', '.join(FINAL_NORM_NAMES)}) found next to {self.stack.path} in "
-                f"{type(model).__name__}; pass decoder_path= to point at the text decoder's layer list"
+                f"{type(model).__name__}: if {self.stack.path} is not the text decoder's layer list, pass decoder_path= "
+                "to point at it; if it is, the model names its final norm otherwise (capture knows these names only)"
             )
         self.aux_layers = tuple(aux_layers)  # always in the input-of-layer convention
         self.capture_final = capture_final
