@@ -43,7 +43,8 @@ KNOWN_LAYER_PATHS = (
     "transformer.h",
     "gpt_neox.layers",
 )
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "embedding_norm")  # LFM2: embedding_norm is its final norm
+# the final norm that feeds the lm_head, by the names models give it (LFM2 calls its final norm embedding_norm)
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "embedding_norm")
 _NON_TEXT = ("vision", "visual", "audio", "image", "vit", "encoder", "mm_projector", "multi_modal")
 
 
