@@ -198,8 +198,9 @@ class HiddenStateCapture:
         if capture_final and self.stack.norm is None:
             raise EaglekitError(
                 f"no final norm ({', '.join(FINAL_NORM_NAMES)}) found next to {self.stack.path} in "
-                f"{type(model).__name__}: if {self.stack.path} is not the text decoder's layer list, pass decoder_path= "
-                "to point at it; if it is, the model names its final norm otherwise (capture knows these names only)"
+                f"{type(model).__name__}: if {self.stack.path} is not the text decoder's layer list, pass "
+                "decoder_path= to point at it; if it is, the model names its final norm otherwise (capture knows "
+                "these names only)"
             )
         self.aux_layers = tuple(aux_layers)  # always in the input-of-layer convention
         self.capture_final = capture_final
