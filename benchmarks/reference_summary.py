@@ -80,16 +80,16 @@ def side_by_side(summary: dict) -> list[dict]:
     bench = (summary.get("bench") or {}).get("rows", [])
     plain = {r["temperature"]: r["tokens_per_second"] for r in bench if r.get("method") == "plain" and r.get("tokens_per_second")}
     config = (summary.get("bench") or {}).get("config") or {}
-    sources = [("eagle3", config, bench)]
-    sources += [(summary[key]["variant"].get("drafter_type", "eagle3 variant"), summary[key].get("bench_options") or {},
+    sources = [("eagle3", config, bench)]  # a variant's bench_options: its chain_length, depth and total_tokens
+    sources += [(summary[key]["variant"].get("drafter_type", "eagle3 variant"), {**config, **summary[key].get("bench_options", {})},
                  summary[key]["bench"]) for key in VARIANT_KEYS if summary.get(key)]
     rows = []
     for drafter, options, source in sources:
         for r in source:
             if r.get("tau") is None or r.get("temperature") not in plain:
                 continue
-            drafts = (f"tree {options.get('total_tokens', config.get('total_tokens'))} tokens, depth {options.get('depth', config.get('depth'))}"
-                      if r["method"] == "tree" else f"{options.get('chain_length', config.get('chain_length'))}")
+            drafts = (f"tree {options.get('total_tokens')} tokens, depth {options.get('depth')}" if r["method"] == "tree"
+                      else f"{options.get('chain_length')}")
             rows.append({"drafter": drafter, "method": r["method"], "drafts": drafts, "temperature": r["temperature"],
                          "tokens_per_second": r["tokens_per_second"], "speedup_vs_plain": r["tokens_per_second"] / plain[r["temperature"]],
                          "tau": r["tau"], "acceptance_per_position": r.get("acceptance_per_position") or []})

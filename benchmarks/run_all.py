@@ -69,7 +69,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when loaded by file path
-from reference_summary import VARIANT_KEYS, side_by_side, summary_markdown  # noqa: E402,F401  (the summary's figures and markdown)
+from reference_summary import VARIANT_KEYS, side_by_side, summary_markdown  # noqa: E402
 
 # Sizes: (reference target, draft LM, pipeline) for the GPU run and for the CPU smoke run.
 GPU = {
@@ -207,7 +207,8 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
         "benchmark": "drafter_variant", "variant": options, "environment": environment(),
         "baseline": {"val": base.get("val"), "steps": base.get("steps"), "drafter": str(run / "train")},
         "trained": {"val": trained.get("val"), "steps": trained.get("steps"), "drafter": str(variant_dir / "train")},
-        "bench_options": {"methods": list(bench_config.methods), "chain_length": bench_config.chain_length},
+        "bench_options": {key: getattr(bench_config, key) for key in ("chain_length", "depth", "total_tokens")}
+        | {"methods": list(bench_config.methods)},
         "bench": rows,
     })
 
@@ -299,8 +300,6 @@ def _script(name: str, *args: str, env: dict[str, str] | None = None, timeout: f
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False, timeout=timeout, env=env)
 
 
-
-
 def summarise(work: Path, out: Path) -> dict:
     """Every figure of this run in one JSON (and a markdown table)."""
     import torch  # noqa: F401 - environment() reports the versions and the GPU of modules already imported
@@ -384,7 +383,7 @@ def main() -> int:
         "extract_speed_reference": lambda: (run_extract_speed(work, out, True) if args.smoke
                                             else run_extract_speed_reference(work, out)),
         "variant": lambda: run_variant(work, out, args.variant, args.bench_methods, args.bench_repeats,
-                                               args.variant_bench),
+                                       args.variant_bench),
         "step_cost": lambda: run_step_cost(work, out, args.smoke),
         "summary": lambda: summarise(work, out),
     }
