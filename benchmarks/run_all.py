@@ -93,8 +93,8 @@ GPU = {
                   "temperatures": [0.0, 1.0], "depth": 6, "tree_top_k": 8, "total_tokens": 48, "chain_length": 4},
     },
 }
-# The same flow in about 10 minutes on one GPU (a side-by-side of drafter types when GPU time is short): half the
-# target's steps on a third of the corpus, half the prompts, 500 drafter steps; bench as in GPU.
+# The same flow cut for a short GPU budget (a side-by-side of drafter types): half the target's steps on a third of
+# the corpus, half the prompts, 500 drafter steps; bench as in GPU. Target, pipeline and bench: 8.5 minutes on one H100.
 QUICK = {
     "target": {**GPU["target"], "steps": 600, "corpus_mb": 40.0, "num_prompts": 1200},
     "draft_lm": GPU["draft_lm"],
@@ -358,8 +358,8 @@ def main() -> int:
                         help="variant part: train options changed for the second drafter (default: EAGLE 3.1's fc_norm + norm_output)")
     parser.add_argument("--variant-bench", default="", metavar="KEY=VALUE,...",
                         help="variant part: bench options changed for it (e.g. chain_length=7)")
-    parser.add_argument("--quick", action="store_true", help="GPU sizes cut to about 10 minutes for target, pipeline, "
-                        "bench and two variants (QUICK: 600 target steps, 500 drafter steps)")
+    parser.add_argument("--quick", action="store_true", help="GPU sizes cut for a short GPU budget (QUICK: 600 target "
+                        "steps, 500 drafter steps; target, pipeline and bench 8.5 minutes on one H100)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else QUICK if args.quick else GPU
