@@ -85,6 +85,16 @@ def test_wrong_vllm_version_names_the_tested_one(tmp_path):
     assert (engine.version, engine.device_type) == ("0.32.0+cpu", "cpu")
 
 
+def test_each_python_is_probed_once_while_it_stays_the_same(tmp_path):
+    """Importing vllm costs seconds: find_engine runs a Python once, and again only when the file changed."""
+    runs = tmp_path / "runs"
+    python = fake_python(tmp_path, f"echo x >> {runs}; echo 0.32.0 cpu")
+    assert ve.find_engine(python).version == ve.find_engine(python).version == "0.32.0"
+    assert runs.read_text().count("x") == 1
+    fake_python(tmp_path, f"echo x >> {runs}; echo 0.32.0+cpu cpu")
+    assert ve.find_engine(python).version == "0.32.0+cpu" and runs.read_text().count("x") == 2
+
+
 def test_engine_args_follow_the_target(tmp_path):
     import json
 

@@ -11,6 +11,7 @@ runs in a session of its own and is stopped by its process group (SIGTERM, then 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -76,9 +77,17 @@ PROBE = ("import vllm; from vllm.platforms import current_platform as p; print(v
 
 
 def probe(python: str, timeout: float = 300.0) -> tuple[str, str]:
-    """(vllm.__version__, device type) as `python` imports vllm (raises EaglekitError naming the fix when it cannot)."""
+    """(vllm.__version__, device type) as `python` imports vllm (raises EaglekitError naming the fix when it cannot).
+    Importing vllm takes 5 to 15 s on a small CPU, so one process probes each Python once (while the file stays
+    the same)."""
     if not Path(python).is_file():
         raise EaglekitError(f"vllm_python {python} does not exist; {BUILD_HINT}")
+    stat = Path(python).stat()
+    return _probe(python, stat.st_mtime_ns, stat.st_size, timeout)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(python: str, mtime_ns: int, size: int, timeout: float) -> tuple[str, str]:
     try:
         done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, **ENGINE_ENV}, check=False)
