@@ -3,6 +3,9 @@ every drafter type's bench rows side by side with their speed-up over the same r
 
 from __future__ import annotations
 
+from eaglekit.report_compare import side_by_side as rows_side_by_side
+from eaglekit.report_compare import side_by_side_markdown
+
 VARIANT_KEYS = ("variant", "variant_p-eagle", "variant_dflash")  # run_variant's outputs: eagle3, and by drafter type
 
 
@@ -24,10 +27,7 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
         lines += ["## Bench", "", bench_table.strip(), ""]
     if summary.get("methods"):
         lines += ["## Drafter types side by side (same prompts, same run; speed-up over this run's plain at the same T)", "",
-                  "| drafter | method | drafts | T | tokens/s | speed-up | tau | acceptance per position |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['drafter']} | {r['method']} | {r['drafts']} | {r['temperature']:g} | {r['tokens_per_second']:.1f} | "
-                  f"{r['speedup_vs_plain']:.2f}x | {r['tau']:.2f} | {' '.join(f'{a:.2f}' for a in r['acceptance_per_position'])} |"
-                  for r in summary["methods"]] + [""]
+                  *side_by_side_markdown(summary["methods"]), ""]
     speed = []
     for name in ("decode_speed_reference", "decode_speed_8b"):
         d = summary.get(name)
@@ -78,22 +78,11 @@ def side_by_side(summary: dict) -> list[dict]:
     """Every speculative row of the run's bench (EAGLE-3) and of the drafter-type variants, with its speed-up over
     the run's own plain decoding at the same temperature (all benched on the same prompts in one run)."""
     bench = (summary.get("bench") or {}).get("rows", [])
-    plain = {r["temperature"]: r["tokens_per_second"] for r in bench if r.get("method") == "plain" and r.get("tokens_per_second")}
     config = (summary.get("bench") or {}).get("config") or {}
     sources = [("eagle3", config, bench)]  # a variant's bench_options: its chain_length, depth and total_tokens
     sources += [(summary[key]["variant"].get("drafter_type", "eagle3 variant"), {**config, **summary[key].get("bench_options", {})},
                  summary[key]["bench"]) for key in VARIANT_KEYS if summary.get(key)]
-    rows = []
-    for drafter, options, source in sources:
-        for r in source:
-            if r.get("tau") is None or r.get("temperature") not in plain:
-                continue
-            drafts = (f"tree {options.get('total_tokens')} tokens, depth {options.get('depth')}" if r["method"] == "tree"
-                      else f"{options.get('chain_length')}")
-            rows.append({"drafter": drafter, "method": r["method"], "drafts": drafts, "temperature": r["temperature"],
-                         "tokens_per_second": r["tokens_per_second"], "speedup_vs_plain": r["tokens_per_second"] / plain[r["temperature"]],
-                         "tau": r["tau"], "acceptance_per_position": r.get("acceptance_per_position") or []})
-    return rows
+    return [r for r in rows_side_by_side(bench, sources) if r["speedup_vs_plain"] is not None]
 
 
 def variant_line(variant: dict) -> str:

@@ -52,6 +52,13 @@ def test_a_target_speculative_decoding_cannot_run_is_refused_before_training(chu
     check_steps(plan(config), config.target, bench_options=bench_stage._check)
 
 
+def test_a_further_drafter_types_bench_is_checked_before_training(chunked_target, tmp_path):
+    """drafter_types: each further type's bench (bench-<type>) is checked too; its methods draft, so a target
+    speculative decoding cannot run is refused even when the run's own bench measures plain decoding only."""
+    refused(run_config(chunked_target, tmp_path / "run", bench={"methods": ["plain"]}, drafter_types=["eagle3", "dflash"]),
+            "bench-dflash would refuse this run after training", "chunked_attention layers")
+
+
 def test_an_export_the_planned_drafter_cannot_take_is_refused_before_training(tmp_path):
     refused(run_config("tiny", tmp_path / "run", train={"aux_layer_ids": [0, 2, 3]}),
             "export would refuse this run after training", "export --to sglang: aux layer ids (0, 2, 3) include 0",

@@ -116,6 +116,45 @@ def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, run_p
     assert read_manifest(vllm_dir)["summary"]["format"] == "vllm"
 
 
+def test_drafter_types_train_on_one_store_and_are_benched_side_by_side(chat_target, run_prompts, tmp_path):
+    """drafter_types: each further type trains into train-<type>/ from the run's store (P-EAGLE from the run's
+    EAGLE-3 drafter), benches every method it drafts into bench-<type>/ on the same prompts, and the report sets
+    them beside the run's drafter with speed-ups over the one plain row; a re-run skips them all."""
+    from eaglekit.report import collect
+
+    out = tmp_path / "run"
+    config = tiny_run(chat_target, run_prompts, out, stages=["regen", "extract", "vocab", "train", "bench"],
+                      drafter_types=["eagle3", "p-eagle", "dflash"], train__block_size=4, train__draft_layers=1)
+    steps = {s.name: s for s in plan(config)}
+    assert list(steps) == ["regen", "extract", "vocab", "train", "train-p-eagle", "train-dflash", "bench",
+                           "bench-p-eagle", "bench-dflash"]
+    peagle, dflash = steps["train-p-eagle"].make_config(), steps["train-dflash"].make_config()
+    assert (peagle.drafter_type, peagle.init_from, steps["train-p-eagle"].after) == (
+        "p-eagle", str(out / "train"), ("extract", "vocab", "train"))
+    assert (dflash.drafter_type, dflash.init_from, dflash.shards) == ("dflash", "", str(out / "extract"))
+    assert steps["bench"].make_config().methods == ("plain", "chain")
+    assert steps["bench-p-eagle"].make_config().methods == ("parallel", "chain", "tree")
+    assert (steps["bench-dflash"].make_config().methods, steps["bench-dflash"].make_config().chain_length) == (
+        ("dflash",), 2)  # bench.chain_length is set here; left at its default, DFlash drafts the whole block:
+    unset = dataclasses.replace(config, bench=dataclasses.replace(config.bench, chain_length=Config().bench.chain_length))
+    assert {s.name: s for s in plan(unset)}["bench-dflash"].make_config().chain_length == 3  # block_size - 1
+
+    assert set(statuses(run_stage.run(config)).values()) == {"ran"}
+    kinds = [kind for kind, _ in collect(out)["drafter_types"]]
+    assert kinds == ["eagle3", "p-eagle", "dflash"]
+    report = (out / "report.md").read_text()
+    assert "### Drafter types side by side" in report
+    for row in ("| eagle3 | chain | 2 | 0 |", "| p-eagle | parallel | 2 | 0 |", "| p-eagle | tree | tree ",
+                "| dflash | dflash | 2 | 0 |"):
+        assert row in report, row
+    assert set(statuses(run_stage.run(config)).values()) == {"skipped"}
+    with pytest.raises(EaglekitError, match="name each of eagle3, p-eagle, dflash at most once"):
+        plan(tiny_run(chat_target, run_prompts, tmp_path / "x", drafter_types=["eagle3", "eagle3"]))
+    with pytest.raises(EaglekitError, match="drop train.drafter_type"):
+        plan(tiny_run(chat_target, run_prompts, tmp_path / "x", drafter_types=["eagle3", "dflash"],
+                      train__drafter_type="dflash"))
+
+
 def test_online_plan_skips_extract_and_trains_on_regenerated_data(chat_target, run_prompts, tmp_path):
     config = tiny_run(chat_target, run_prompts, tmp_path / "run", training="online")
     steps = {s.name: s for s in plan(config)}

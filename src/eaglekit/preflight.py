@@ -26,7 +26,7 @@ from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
 
-SPECULATIVE_METHODS = ("chain", "tree")
+SPECULATIVE_METHODS = ("chain", "tree", "parallel", "dflash")  # every method that drafts (decode.methods)
 
 
 def _refused(stage: str, error: EaglekitError) -> EaglekitError:
@@ -34,7 +34,7 @@ def _refused(stage: str, error: EaglekitError) -> EaglekitError:
 
 
 def check_decoding(target_config: Any, methods: Iterable[str], backend: str, name: str) -> None:
-    """Refuse decoding methods the target cannot run: chain/tree on layers speculative decoding does not cover,
+    """Refuse decoding methods the target cannot run: drafting methods on layers speculative decoding does not cover,
     backend=static on a target the static fast path does not cover."""
     from eaglekit.decode.windows import check_speculative
 
@@ -119,12 +119,12 @@ def check_steps(steps: Iterable[Any], target: str, trust_remote_code: bool = Fal
 
     configs = {step.name: step.make_config() for step in steps}
     target_config = load_target_config(target, trust_remote_code=trust_remote_code)
-    if "bench" in configs:
-        bench = configs["bench"]
+    for name in (n for n in configs if n == "bench" or n.startswith("bench-")):  # bench-<type>: a further drafter's
+        bench = configs[name]
         try:
             check_bench(bench, target_config, bench_options(bench) if bench_options else list(bench.methods))
         except EaglekitError as error:
-            raise _refused("bench", error) from None
+            raise _refused(name, error) from None
     formats = [c.to for name, c in configs.items() if name.startswith("export-")]
     if formats and "train" in configs:
         layers = int(text_config(target_config).num_hidden_layers)

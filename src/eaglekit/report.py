@@ -121,6 +121,9 @@ def collect(out: str | Path) -> dict[str, Any]:
                       and not d.name.endswith(".old")),
                      key=lambda d: (engines.index(d.name) if d.name in engines else len(engines), d.name))
     info["doctor"] = {d.name: _json(d / "doctor.json") for d in checked}
+    kinds = (info["run"].get("config") or {}).get("drafter_types") or []  # bench-<type>/: further drafter types
+    others = {k: _json(out / f"bench-{k}" / "bench.json") for k in kinds[1:] if read_manifest(out / f"bench-{k}")}
+    info["drafter_types"] = [(kinds[0], info["bench"]), *others.items()] if kinds and info["bench"] else []
     return info
 
 
@@ -329,6 +332,16 @@ def _section_decoding(info: dict[str, Any], plotted: bool) -> list[str]:
     lines += ["", *bench_markdown(bench.get("rows", []))]
     if plotted:
         lines += ["", f"![acceptance per position]({ACCEPTANCE_PLOT})"]
+    if len(info["drafter_types"]) > 1:
+        from eaglekit.report_compare import side_by_side, side_by_side_markdown
+
+        sources = [(kind, result.get("config") or {}, [r for r in result.get("rows", [])
+                                                       if not r["method"].startswith(("vllm_", "hf"))])
+                   for kind, result in info["drafter_types"]]
+        lines += ["", "### Drafter types side by side", "",
+                  "Each type trained on the same data and benched on the same prompts (`bench-<type>/`); speed-up "
+                  "over the plain decoding above, at the same T.", "",
+                  *side_by_side_markdown(side_by_side(bench.get("rows", []), sources))]
     return lines
 
 

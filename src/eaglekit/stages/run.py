@@ -62,6 +62,11 @@ class Config:
     capture: str = option("hf", "who captures the hidden states for extract: hf (the target in eaglekit's process) "
                                 "or vllm (vLLM's extract_hidden_states; extract.tensor_parallel_size etc. apply)",
                           choices=("hf", "vllm"))
+    drafter_types: tuple[str, ...] = option((), "drafter types to train on the same data and compare in the report "
+                                                "(eagle3, p-eagle, dflash): the first is the run's drafter (train/, "
+                                                "bench/, export/); each other one trains into train-<type>/ and is "
+                                                "benched into bench-<type>/ on the same prompts. Empty: "
+                                                "train.drafter_type alone")
     extract_processes: int = option(1, "> 1: run extract under torchrun with this many processes (one GPU "
                                        "each, data-parallel)")
     train_processes: int = option(1, "> 1: run train under torchrun with this many processes (DDP, or FSDP2 with "
@@ -130,11 +135,27 @@ def _check(config: Config) -> tuple[str, ...]:
         raise EaglekitError("train.device_map spreads one target over the GPUs of one process for online "
                             "training: use it with training=online and train_processes=1 (offline training "
                             "never loads the target)")
+    _drafter_types(config)
     for name, chosen, valid in (("export_formats", config.export_formats, EXPORT_FORMATS),
                                 ("doctor_engines", config.doctor_engines, ENGINES)):
         if any(v not in valid for v in chosen):
             raise EaglekitError(f"{name}={','.join(chosen)}: choose from {', '.join(valid)}")
     return stages
+
+
+def _drafter_types(config: Config) -> tuple[str, ...]:
+    """The drafter types this run trains, the run's own drafter first: `drafter_types`, else train.drafter_type."""
+    from eaglekit.train_config import DRAFTER_TYPES
+
+    kinds = config.drafter_types or (config.train.drafter_type,)
+    unknown = [k for k in kinds if k not in DRAFTER_TYPES]
+    if unknown or len(set(kinds)) != len(kinds):
+        raise EaglekitError(f"drafter_types={','.join(kinds)}: name each of {', '.join(DRAFTER_TYPES)} at most once")
+    if config.drafter_types and config.train.drafter_type not in ("eagle3", kinds[0]):
+        raise EaglekitError(f"train.drafter_type={config.train.drafter_type} and drafter_types={','.join(kinds)} "
+                            "disagree on the run's drafter: drop train.drafter_type (the first of drafter_types is "
+                            "the run's drafter)")
+    return kinds
 
 
 def stage_config(config: Config, name: str, **wired: Any) -> Any:
@@ -239,11 +260,27 @@ def plan(config: Config) -> list[Step]:
                              vocab=vocab_file,
                              shards="" if online else str(out / "extract"), data=conversations if online else ())
         after = (*(source if online else ("extract",)), *(("vocab",) if "vocab" in stages else ()))
+        kinds = _drafter_types(config)
+        train = dataclasses.replace(train, drafter_type=kinds[0])
         steps.append(Step("train", out / "train", lambda: train,
                           _execute("train", config.train_processes, out / "train"),
                           after, (*inputs, *init_from), ("manifest.json", "model.safetensors")))
+        for kind in kinds[1:]:
+            steps.append(_other_train_step(config, train, kind, out, after, (*inputs, *init_from)))
     steps += _later_steps(config, stages, out, data, target)
     return steps
+
+
+def _other_train_step(config: Config, train: Any, kind: str, out: Path, after: tuple[str, ...],
+                      inputs: tuple[str, ...]) -> Step:
+    """A further drafter type trained on the run's data into train-<kind>/: P-EAGLE starts from the run's EAGLE-3
+    drafter (the usual recipe) unless train.init_from is set; the other options are the train section's."""
+    folder = out / f"train-{kind}"
+    from_run = kind == "p-eagle" and train.drafter_type == "eagle3" and not config.train.init_from
+    other = dataclasses.replace(train, drafter_type=kind, output=str(folder),
+                                init_from=str(out / "train") if from_run else train.init_from)
+    return Step(f"train-{kind}", folder, lambda: other, _execute("train", config.train_processes, folder),
+                (*after, *(("train",) if from_run else ())), inputs, ("manifest.json", "model.safetensors"))
 
 
 def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[str, ...],
@@ -256,9 +293,15 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
             log.warning("bench: no bench.prompts given, measuring on the training prompts %s (acceptance reads high); "
                         "set bench.prompts to prompts the drafter never saw", prompts)
         bench = stage_config(config, "bench", target=config.target, drafter=drafter, output=str(out / "bench"))
-        bench = dataclasses.replace(bench, prompts=prompts, methods=_bench_methods(config, bench))
+        bench = dataclasses.replace(bench, prompts=prompts, **_bench_for(config, bench, _drafter_types(config)[0]))
         steps.append(Step("bench", out / "bench", lambda: bench, _execute("bench"), ("train",), (*target, prompts),
                           ("bench.json",)))
+        for kind in _drafter_types(config)[1:] if "train" in stages else ():
+            other = stage_config(config, "bench", target=config.target, drafter=str(out / f"train-{kind}"),
+                                 output=str(out / f"bench-{kind}"))
+            other = dataclasses.replace(other, prompts=prompts, **_bench_for(config, other, kind, also=True))
+            steps.append(Step(f"bench-{kind}", out / f"bench-{kind}", (lambda c=other: c), _execute("bench"),
+                              (f"train-{kind}",), (*target, prompts), ("bench.json",)))
     if "export" in stages:
         for fmt in _export_formats(config):
             export = stage_config(config, "export", drafter=drafter, to=fmt, output=str(out / "export" / fmt))
@@ -283,7 +326,7 @@ SGLANG_TYPES = ("eagle3",)  # drafter types SGLang serves (no parallel drafting,
 def _export_formats(config: Config) -> tuple[str, ...]:
     """The layouts to export: left at the default, those the trained drafter type has (no sglang for p-eagle or
     dflash); sglang asked for by name with such a type is one error before any stage runs."""
-    kind = config.train.drafter_type
+    kind = _drafter_types(config)[0]
     if kind in SGLANG_TYPES or "sglang" not in config.export_formats:
         return config.export_formats
     if config.export_formats != Config().export_formats:
@@ -292,15 +335,24 @@ def _export_formats(config: Config) -> tuple[str, ...]:
     return tuple(f for f in config.export_formats if f != "sglang")
 
 
-def _bench_methods(config: Config, bench: Any) -> tuple[str, ...]:
-    """The bench section's methods, or for a drafter type other than eagle3 left at the default: plain and every
-    method that type drafts (p-eagle: parallel, chain, tree side by side in the report; dflash: dflash)."""
+def _bench_for(config: Config, bench: Any, kind: str, also: bool = False) -> dict[str, Any]:
+    """The bench section's methods and chain length for a drafter of type `kind`. Left at their defaults: eagle3
+    keeps them; another type gets plain and every method it drafts (p-eagle: parallel, chain, tree side by side;
+    dflash: dflash, over the whole block: chain_length = block_size - 1). A further type of `drafter_types` (`also`)
+    gets every method it drafts and nothing else (bench.methods is the run's drafter's): its speed-up is over the
+    run bench's plain decoding."""
     from eaglekit.decode.methods import METHODS_OF_TYPE
 
-    kind = config.train.drafter_type
-    if kind == "eagle3":
-        return bench.methods
-    return _inherit(bench, _bench.Config(), "methods", ("plain", *METHODS_OF_TYPE[kind]))
+    default, own = _bench.Config(), METHODS_OF_TYPE[kind]
+    if also:
+        chosen: dict[str, Any] = {"methods": own}
+    elif kind == "eagle3":
+        return {}
+    else:
+        chosen = {"methods": _inherit(bench, default, "methods", ("plain", *own))}
+    if kind == "dflash":
+        chosen["chain_length"] = _inherit(bench, default, "chain_length", config.train.block_size - 1)
+    return chosen
 
 
 def _doctor_target(target: str) -> str:

@@ -1,0 +1,38 @@
+"""Drafter types side by side: bench rows of drafters benched on the same prompts in one run, each with its speed-up
+over the same plain decoding (`eaglekit run drafter_types=...`'s report, the reference benchmark's summary)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def side_by_side(plain_rows: list[dict[str, Any]], sources: list[tuple[str, dict[str, Any], list[dict[str, Any]]]]
+                 ) -> list[dict[str, Any]]:
+    """Every drafting row of each source (drafter type, its bench config, its bench rows) with its speed-up over the
+    plain row of `plain_rows` at the same temperature: drafters benched on the same prompts in one run."""
+    plain = {r["temperature"]: r["tokens_per_second"] for r in plain_rows
+             if r.get("method") == "plain" and r.get("tokens_per_second")}
+    rows = []
+    for drafter, config, source in sources:
+        for r in source:
+            if r.get("tau") is None or not r.get("tokens_per_second"):
+                continue
+            drafts = (f"tree {config.get('total_tokens')} tokens, depth {config.get('depth')}" if r["method"] == "tree"
+                      else f"{config.get('chain_length')}")
+            base = plain.get(r["temperature"])
+            rows.append({"drafter": drafter, "method": r["method"], "drafts": drafts, "temperature": r["temperature"],
+                         "tokens_per_second": r["tokens_per_second"],
+                         "speedup_vs_plain": r["tokens_per_second"] / base if base else None, "tau": r["tau"],
+                         "acceptance_per_position": r.get("acceptance_per_position") or []})
+    return rows
+
+
+def side_by_side_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| drafter | method | drafts | T | tokens/s | speed-up | tau | acceptance per position |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        speedup = f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] else "n/a"
+        lines.append(f"| {r['drafter']} | {r['method']} | {r['drafts']} | {r['temperature']:g} | "
+                     f"{r['tokens_per_second']:.1f} | {speedup} | {r['tau']:.2f} | "
+                     f"{' '.join(f'{a:.2f}' for a in r['acceptance_per_position'])} |")
+    return lines
