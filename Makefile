@@ -50,7 +50,9 @@ vllm-env: $(VLLM_VENV)/.eaglekit-stamp
 
 speculators-env: $(SPECULATORS_VENV)/.eaglekit-stamp
 
-test: install vllm-env speculators-env
+# The three venvs install side by side (pip waits on unpacking and disk as much as on a core).
+test:
+	$(MAKE) --no-print-directory -j3 install vllm-env speculators-env
 	EAGLEKIT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	EAGLEKIT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python \
 	$(BIN)/python -m pytest
