@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(min(2, torch.get_num_threads()))  # `make test` sets OMP_NUM_THREADS=1: one each
 
 
 @pytest.fixture(autouse=True)
@@ -80,28 +80,6 @@ def data(tmp_path):
     from user_errors import CHAT, write_jsonl
 
     return write_jsonl(tmp_path / "data.jsonl", [{"id": f"r{i}", "messages": CHAT} for i in range(12)])
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _vllm_probed_once():
-    """The engine venvs do not change during a test session, so vLLM's version and device (`import vllm` in a
-    subprocess: seconds each) are probed once per Python named by EAGLEKIT_VLLM_PYTHON or the checkout's
-    .venv-vllm; any other Python (the fakes of the engine unit tests) is probed each time, as in use."""
-    from eaglekit.interop import vllm_engine
-    from engines import engine_python
-
-    real, stable, found = vllm_engine.probe, engine_python("EAGLEKIT_VLLM_PYTHON", ".venv-vllm"), {}
-
-    def probe(python: str, timeout: float = 300.0) -> tuple[str, str]:
-        if python != stable:
-            return real(python, timeout)
-        if python not in found:
-            found[python] = real(python, timeout)
-        return found[python]
-
-    vllm_engine.probe = probe
-    yield
-    vllm_engine.probe = real
 
 
 @pytest.fixture(scope="session")
