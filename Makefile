@@ -50,19 +50,14 @@ vllm-env: $(VLLM_VENV)/.eaglekit-stamp
 
 speculators-env: $(SPECULATORS_VENV)/.eaglekit-stamp
 
-# The three venvs install side by side (pip waits on unpacking and disk as much as on a core). Then the engine tests
-# (marker `engine`: vLLM and speculators in their own venvs, a core each) and the others run as two pytest processes
-# side by side, a thread each (OMP_NUM_THREADS=1); the engine tests' output follows the others'.
-ENGINE_LOG := .pytest-engine.log
+# The three venvs install side by side (pip waits on unpacking and disk as much as on a core). The tests run in two
+# pytest-xdist workers, a test file at a time each (its module fixtures built once), a thread each (OMP_NUM_THREADS=1,
+# for what they start too): the suite alone kept about one of two cores busy (vLLM's CPU worker runs one thread).
 test:
 	$(MAKE) --no-print-directory -j3 install vllm-env speculators-env
-	@export EAGLEKIT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
-		EAGLEKIT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python OMP_NUM_THREADS=1; \
-	$(BIN)/python -m pytest -m engine > $(ENGINE_LOG) 2>&1 & engine=$$!; \
-	$(BIN)/python -m pytest -m "not engine"; others=$$?; \
-	wait $$engine; engines=$$?; \
-	echo "---- the engine tests (pytest -m engine, $(ENGINE_LOG)):"; cat $(ENGINE_LOG); \
-	test $$others -eq 0 && test $$engines -eq 0
+	EAGLEKIT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	EAGLEKIT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python OMP_NUM_THREADS=1 \
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SPECULATORS_VENV) $(ENGINE_LOG) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SPECULATORS_VENV) build *.egg-info src/*.egg-info

@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))  # `make test` sets OMP_NUM_THREADS=1: one each
+torch.set_num_threads(min(2, torch.get_num_threads()))  # `make test`'s two workers: OMP_NUM_THREADS=1, one each
 
 
 @pytest.fixture(autouse=True)
