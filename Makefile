@@ -53,10 +53,12 @@ speculators-env: $(SPECULATORS_VENV)/.eaglekit-stamp
 # The three venvs install side by side (pip waits on unpacking and disk as much as on a core). The tests run in two
 # pytest-xdist workers, a test file at a time each (its module fixtures built once), a thread each (OMP_NUM_THREADS=1,
 # for what they start too): the suite alone kept about one of two cores busy (vLLM's CPU worker runs one thread).
+# vLLM would pin each of its engines to core 0 (shared then by both workers' engines): nobind leaves them to the OS.
 test:
 	$(MAKE) --no-print-directory -j3 install vllm-env speculators-env
 	EAGLEKIT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	EAGLEKIT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python OMP_NUM_THREADS=1 \
+	VLLM_CPU_OMP_THREADS_BIND=nobind \
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 clean:
