@@ -22,11 +22,12 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from eaglekit.decode.methods import METHODS_OF_TYPE
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
 
-SPECULATIVE_METHODS = ("chain", "tree", "parallel", "dflash")  # every method that drafts (decode.methods)
+SPECULATIVE_METHODS = tuple(dict.fromkeys(m for methods in METHODS_OF_TYPE.values() for m in methods))  # all drafting
 
 
 def _refused(stage: str, error: EaglekitError) -> EaglekitError:
