@@ -49,8 +49,8 @@ def scheduler_args(args: argparse.Namespace) -> dict:
 
 def prefill_run(args: argparse.Namespace, store: Path, work: Path) -> dict:
     """vLLM alone on the store's token ids: one generate call, one new token per request, nothing captured."""
-    from eaglekit.interop import vllm_capture as vc
-    from eaglekit.interop import vllm_engine as ve
+    from eaglekit.vllm import capture as vc
+    from eaglekit.vllm import engine as ve
     from eaglekit.target.loading import local_model_dir
     from eaglekit.target.store import HiddenStateDataset
 
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from eaglekit.interop import vllm_engine as ve
+    from eaglekit.vllm import engine as ve
     from eaglekit.manifest import environment
 
     args = parse_args(argv)

@@ -83,7 +83,7 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
 def random_drafter(model, device: torch.device, dtype: torch.dtype, **fields) -> torch.nn.Module:
     """A random-weight EAGLE-3 drafter of the target's width (what a step costs does not depend on its weights);
     `fields`: `DrafterConfig` fields changed (e.g. drafter_arch="mla" and its dimensions)."""
-    from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
     from eaglekit.target.capture import default_aux_layers
 
     c = model.config
@@ -119,7 +119,7 @@ def speculative_step_cost(model, device, dtype, prompt: list[int], new_tokens: i
 
 def _profile_table(fn, trace: str = "") -> str:
     """torch.profiler's table (host and device time per op) of one call: where a step's time goes. The
-    decode loop labels its phases (`eaglekit.draft`, `.verify_forward`, `.verify_and_sync`, `.keep`,
+    decode loop labels its phases (`eaglekit.drafters.eagle3`, `.verify_forward`, `.verify_and_sync`, `.keep`,
     `.extend`), so their rows split a speculative step. `trace`: also write a Chrome trace there."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -8,8 +8,8 @@
 
 RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eaglekit's drafter). The script
 
-1. rebuilds eaglekit's training context from RUN_DIR/train/config.yaml (`eaglekit.draft.setup.setup` and
-   `eaglekit.draft.train.Trainer`): the same records, the same validation split (`split_indices`), the same
+1. rebuilds eaglekit's training context from RUN_DIR/train/config.yaml (`eaglekit.training.setup.setup` and
+   `eaglekit.training.loop.Trainer`): the same records, the same validation split (`split_indices`), the same
    soft labels and the same `Trainer.validate` for both drafters;
 2. converts the extract shards into the layout `speculators train` reads offline (a `datasets` directory with
    input_ids / loss_mask / seq_len, and hidden_states/hs_<i>.safetensors holding token_ids and hidden_states
@@ -21,7 +21,7 @@ RUN_DIR is an `eaglekit run` output that holds extract/, vocab/ and train/ (eagl
 3. runs `python -m speculators train` in the peer's own Python (`--peer-python`) with eaglekit's drafter shape,
    TTT steps, step weights, learning rate, warmup/cosine schedule and number of optimizer steps; speculators
    packs records into one sequence per step, so its packed length is chosen to give the same tokens per step;
-4. imports the final checkpoint with eaglekit's own import code (`eaglekit.interop.convert.import_checkpoint`),
+4. imports the final checkpoint with eaglekit's own import code (`eaglekit.drafters.eagle3.convert.import_checkpoint`),
    evaluates both drafters with `Trainer.validate` (accuracy per TTT position, estimated tau) and, with --bench,
    decodes the run's bench prompts with both (`eaglekit.stages.bench`, chain and tree, temperature 0);
    With --variants, eaglekit's drafter is trained again with some train options changed (one drafter per
@@ -97,8 +97,8 @@ def run_train_overrides(run: Path, output: Path, device: str) -> dict[str, Any]:
 def eaglekit_context(run: Path, device: str, work: Path, stack: contextlib.ExitStack) -> Any:
     """eaglekit's trainer for RUN_DIR's train config (records, split, soft labels, validate), on `device`."""
     from eaglekit.config import load_config
-    from eaglekit.draft.setup import setup
-    from eaglekit.draft.train import Trainer, setup_distributed
+    from eaglekit.training.setup import setup
+    from eaglekit.training.loop import Trainer, setup_distributed
     from eaglekit.stages.train import Config
 
     config = load_config(Config, run / "train" / "config.yaml", run_train_overrides(run, work / "eval", device))
@@ -113,7 +113,7 @@ def eaglekit_context(run: Path, device: str, work: Path, stack: contextlib.ExitS
 
 def eaglekit_tokens_per_step(trainer: Any, steps: int) -> float:
     """Mean record tokens per optimizer step of eaglekit's run (its own batches, replayed)."""
-    from eaglekit.draft.data import epoch_batches
+    from eaglekit.training.data import epoch_batches
 
     c, tokens, done, epoch = trainer.config, 0, 0, 0
     while done < steps:
@@ -132,7 +132,7 @@ def peer_side(args: Any, trainer: Any, work: Path, eaglekit_tps: float, report: 
     """Convert the run's data for speculators, train the peer with eaglekit's settings (running `meanwhile()` as
     it trains), and record the data, the commands, both settings and their `differences` in `report` -> the
     peer's side (its `error` if it failed)."""
-    from eaglekit.draft.train import _amp_dtype
+    from eaglekit.training.loop import _amp_dtype
     from eaglekit.target.capture import text_config
     from eaglekit.target.loading import load_target_config
 
@@ -165,7 +165,7 @@ def train_variant(run: Path, spec: str, output: Path, trainer: Any, device: str)
     """eaglekit's drafter trained again from RUN_DIR's train config with `spec` ('key=value,...') changed, on `device`,
     then evaluated like the others."""
     from eaglekit.config import load_config, parse_overrides
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
     from eaglekit.stages import train as train_stage
 
     config = load_config(train_stage.Config, run / "train" / "config.yaml",
@@ -237,7 +237,7 @@ def parse(argv: list[str] | None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
     from eaglekit.manifest import atomic_write_json, environment
 
     args = parse(argv)

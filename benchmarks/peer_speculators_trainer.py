@@ -106,7 +106,7 @@ def plan_peer(python: str, lengths: list[int], steps: int, tokens_per_step: floa
 
 def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str, Any], conv: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """`speculators train` with eaglekit's settings; also the settings as a dict for the report."""
-    from eaglekit.draft.train import _amp_dtype
+    from eaglekit.training.loop import _amp_dtype
     from eaglekit.target.loading import resolve_target
 
     c, drafter = trainer.config, trainer.drafter.config
@@ -195,7 +195,7 @@ def train_peer(cmd: list[str], save: Path, device: str, meanwhile: Callable[[], 
 
 def import_peer(checkpoint: str, output: Path, trainer: Any) -> Any:
     """speculators checkpoint -> eaglekit drafter (eaglekit's import), saved to `output` with the target's embedding."""
-    from eaglekit.interop.convert import import_checkpoint
+    from eaglekit.drafters.eagle3.convert import import_checkpoint
 
     drafter = import_checkpoint(checkpoint, "speculators").float()
     if not torch.equal(drafter.t2d.cpu(), trainer.drafter.t2d.cpu()):

@@ -3,8 +3,8 @@ every drafter type's bench rows side by side with their speed-up over the same r
 
 from __future__ import annotations
 
-from eaglekit.report_compare import side_by_side as rows_side_by_side
-from eaglekit.report_compare import side_by_side_markdown
+from eaglekit.report.compare import side_by_side as rows_side_by_side
+from eaglekit.report.compare import side_by_side_markdown
 
 VARIANT_KEYS = ("variant", "variant_p-eagle", "variant_dflash")  # run_variant's outputs: eagle3, and by drafter type
 

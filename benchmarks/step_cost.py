@@ -52,7 +52,7 @@ from decode_speed import SHAPE_8B, SHAPE_REFERENCE, SHAPE_SMOKE, build_model, co
 from eaglekit.decode import Decoder, graphs  # noqa: E402
 from eaglekit.decode.engine import DecodeOptions, decode_loop, draft_size  # noqa: E402
 from eaglekit.decode.methods import speculative_method  # noqa: E402
-from eaglekit.decode_options import CHAIN_METHODS  # noqa: E402
+from eaglekit.config.decode import CHAIN_METHODS  # noqa: E402
 from eaglekit.decode.fused import tree_mask  # noqa: E402
 from eaglekit.decode.parallel import parallel_logits  # noqa: E402
 from eaglekit.decode.static import StaticDrafter, StaticTarget  # noqa: E402
@@ -250,7 +250,7 @@ def mla_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repea
 
 def random_dflash(model, device: torch.device, dtype: torch.dtype, layers: int, block_size: int = 16):
     """A random-weight DFlash drafter of the target's width: `layers` layers, context from as many target layers."""
-    from eaglekit.draft.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+    from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_target_layer_ids
 
     c = model.config
     config = DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,

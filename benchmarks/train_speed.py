@@ -52,7 +52,7 @@ PEAK_DATASHEET, PEAK_MEASURED = 989e12, 790e12
 
 
 def drafter_config(shape: str) -> Any:
-    from eaglekit.draft.model import DrafterConfig
+    from eaglekit.drafters.eagle3.model import DrafterConfig
 
     h, nh, nkv, inter, vocab, draft_vocab, layers = SHAPES[shape]
     return DrafterConfig(hidden_size=h, intermediate_size=inter, num_attention_heads=nh, num_key_value_heads=nkv, vocab_size=vocab,
@@ -72,7 +72,7 @@ def flops_per_token(config: Any, seq_len: int, steps: int) -> dict[str, float]:
 
 
 def build(config: Any, device: torch.device) -> Any:
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
     with torch.device(device):
         drafter = Eagle3Drafter(config)
@@ -82,8 +82,8 @@ def build(config: Any, device: torch.device) -> Any:
 
 def make_step(drafter: Any, steps: int, attention: str, compile_model: bool, device: torch.device, amp: torch.dtype | None):
     """A closure doing one offline-style optimizer step on (aux, final, ids, lm_head)."""
-    from eaglekit.draft.train import TTTModule, _autocast
-    from eaglekit.draft.ttt import soft_labels_from_hidden, step_masks
+    from eaglekit.training.loop import TTTModule, _autocast
+    from eaglekit.drafters.eagle3.ttt import soft_labels_from_hidden, step_masks
 
     module: Any = TTTModule(drafter, steps, 0.8, attention)
     if compile_model:

@@ -9,7 +9,7 @@ of the float32 output (`_ensure_int64`) and never copies it back, so the tempera
 uninitialised memory of `new_empty`. This script measures both: the same job (the prompts, target, drafter and engine
 arguments of a bench's `vllm/offline.job.json`) sampled with and without the drafter, once with vLLM as shipped and
 once with that one kernel replaced by the same computation in PyTorch, and the per-position check of
-`eaglekit.interop.distribution` on each. Run it with vLLM's Python, from where the bench ran (the job's drafter path
+`eaglekit.vllm.distribution` on each. Run it with vLLM's Python, from where the bench ran (the job's drafter path
 is relative to it):
 
     .venv-vllm/bin/python benchmarks/vllm_cpu_temperature.py --job runs/demo/bench-vllm/vllm/offline.job.json \\
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.output).write_text(json.dumps(result))
         return result
     sys.path.insert(0, str(ROOT / "src"))
-    from eaglekit.interop.distribution import compare
+    from eaglekit.vllm.distribution import compare
     from eaglekit.manifest import environment
 
     result = {"benchmark": "vllm_cpu_temperature", "environment": environment(), "job": args.job,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.target.capture import default_aux_layers
 
 VOCAB = 96
@@ -86,7 +86,7 @@ class OracleDrafter(nn.Module):
 def both_ttt_paths(drafter: nn.Module, aux, ids, loss_mask, probs, in_vocab, num_steps: int):
     """`ttt_forward` and `naive_ttt_forward` on one batch, each backpropagated -> (fast, slow, fast's gradients by
     parameter name); afterwards the drafter's `.grad` holds the naive path's gradients."""
-    from eaglekit.draft.ttt import naive_ttt_forward, ttt_forward
+    from eaglekit.drafters.eagle3.ttt import naive_ttt_forward, ttt_forward
 
     fast = ttt_forward(drafter, aux, ids, loss_mask, probs, in_vocab, num_steps=num_steps)
     fast.loss.backward()

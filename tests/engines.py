@@ -71,8 +71,8 @@ def train_drafter(target: str, output: Path, steps: int = 40, lr: float = 1e-3, 
     (default: the shipped prompts), with further TrainConfig `options` (e.g. norm_before_fc=True). vLLM's CPU build
     serves an MLA target only with an MLA drafter (drafter_arch="mla"): its CPU_MLA backend takes block size 16, its
     other attention multiples of 32."""
-    from eaglekit.draft.train import train
-    from eaglekit.train_config import TrainConfig
+    from eaglekit.training.loop import train
+    from eaglekit.config.train import TrainConfig
 
     config = TrainConfig(target=target, data=(data or str(PROMPTS),), output=str(output),
                          draft_vocab_size=draft_vocab_size, drafter_arch=drafter_arch, drafter_type=drafter_type,

@@ -41,7 +41,7 @@ def test_run_stage_example_runs_as_written(tmp_path, monkeypatch):
     drafter_dir = tmp_path / "runs/x/drafter"
     assert json.loads((drafter_dir / "manifest.json").read_text())["stage"] == "train"
     assert extract["stage"] == "extract"
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
     drafter = Eagle3Drafter.from_pretrained(drafter_dir)
     assert drafter.config.target_hidden_size > 0 and len(drafter.config.aux_layer_ids) == 3

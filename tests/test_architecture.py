@@ -67,7 +67,7 @@ def module_graph(source: Path = SOURCE) -> dict[str, set[str]]:
 
 
 def package_of(module: str) -> str:
-    """`eaglekit.draft.model` -> `draft`; a top-level module is its own node (`eaglekit.config` -> `config`)."""
+    """`eaglekit.drafters.eagle3.model` -> `draft`; a top-level module is its own node (`eaglekit.config` -> `config`)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ROOT
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eaglekit.config import load_config
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import bench, generate
 

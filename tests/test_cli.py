@@ -74,8 +74,8 @@ def test_stage_literals_match_the_library():
     """Stage configs spell out a few library constants so that `--help` needs no torch; they must agree."""
     from dataclasses import fields
 
-    from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
-    from eaglekit.draft.vocab import DEFAULT_SIZE
+    from eaglekit.drafters.eagle3.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
+    from eaglekit.drafters.vocab import DEFAULT_SIZE
     from eaglekit.stages import extract, vocab
     from eaglekit.target.store import STORAGE_DTYPES
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.stages import serve
 from eaglekit.target.backends import HFBackend
 

@@ -10,9 +10,9 @@ from builders import VOCAB, sampled_against_plain, tiny_target
 from eaglekit.decode import Decoder
 from eaglekit.decode.dflash import DFlashDrafterBackend
 from eaglekit.decode.dflash_static import StaticDFlashDrafter
-from eaglekit.draft.dflash import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.distribution import compare
+from eaglekit.vllm.distribution import compare
 
 
 def dflash_for(target: torch.nn.Module, block_size: int = 4, seed: int = 1,

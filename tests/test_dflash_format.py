@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglekit.config import load_config
-from eaglekit.draft.dflash import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.dflash_format import export_dflash, import_dflash, probe_logits
+from eaglekit.drafters.dflash.formats import export_dflash, import_dflash, probe_logits
 from eaglekit.stages import export, import_
 
 VOCAB = 40
@@ -96,7 +96,7 @@ def test_export_and_import_stages_round_trip_a_dflash_drafter(tmp_path):
 
 
 def test_vllm_bench_refuses_more_drafts_than_the_block(tmp_path):
-    from eaglekit.interop.vllm_bench import export_for_vllm, served_method
+    from eaglekit.vllm.bench import export_for_vllm, served_method
 
     drafter().save_pretrained(tmp_path / "drafter")
     assert served_method(str(tmp_path / "drafter")) == "dflash"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglekit.draft.dflash import DFlashConfig, DFlashDrafter
-from eaglekit.draft.dflash_train import (
+from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
+from eaglekit.drafters.dflash.train import (
     block_attention_mask,
     block_forward,
     block_input_ids,
@@ -17,7 +17,7 @@ from eaglekit.draft.dflash_train import (
     naive_block_forward,
     sample_anchors,
 )
-from eaglekit.draft.ttt import soft_labels
+from eaglekit.drafters.eagle3.ttt import soft_labels
 
 
 def tiny_dflash(seed: int = 0, vocab: int = 40, draft_vocab: int = 24, block_size: int = 4,

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from builders import write_random_chats
 
 from eaglekit.config import load_config
-from eaglekit.draft.build import load_saved_drafter
-from eaglekit.draft.dflash import DFlashDrafter
+from eaglekit.drafters.eagle3.build import load_saved_drafter
+from eaglekit.drafters.dflash.model import DFlashDrafter
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import train as stage
 
@@ -55,7 +55,7 @@ def test_online_training_writes_a_loadable_dflash_drafter(chat_target, data_file
 
 
 def test_killed_and_resumed_dflash_run_matches_an_uninterrupted_one(chat_target, data_file, tmp_path):
-    from eaglekit.draft.train import train
+    from eaglekit.training.loop import train
 
     common = {"epochs": 2, "save_every": 2, "batch_size": 2, "log_every": 1}
     train(options(chat_target, data_file, tmp_path / "a", **common))
@@ -98,7 +98,7 @@ def test_offline_from_a_store_of_its_layers_equals_online(chat_target, data_file
                       data=[], shards=good))
     assert load_saved_drafter(tmp_path / "tuned").config.target_layer_ids == (1, 2)
     # ... or from vLLM's layout without lm_head (a published checkpoint): the target's lm_head fills it
-    from eaglekit.interop.dflash_format import export_dflash
+    from eaglekit.drafters.dflash.formats import export_dflash
 
     export_dflash(load_saved_drafter(tmp_path / "off"), tmp_path / "vllm", "vllm")
     state = load_file(str(tmp_path / "vllm/model.safetensors"))

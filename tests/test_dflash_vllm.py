@@ -10,7 +10,7 @@ import pytest
 
 import engines
 from eaglekit.config import load_config
-from eaglekit.interop import vllm_engine as ve
+from eaglekit.vllm import engine as ve
 from eaglekit.stages import bench
 
 pytestmark = pytest.mark.engine
@@ -20,8 +20,8 @@ NUM_PROMPTS, NEW_TOKENS, DRAFTS = 4, 32, 3
 
 def train_dflash(output: Path, steps: int = 30) -> str:
     """A one-layer DFlash drafter (blocks of 4) trained online on the shipped prompts for `steps` steps."""
-    from eaglekit.draft.train import train
-    from eaglekit.train_config import TrainConfig
+    from eaglekit.training.loop import train
+    from eaglekit.config.train import TrainConfig
 
     config = TrainConfig(drafter_type="dflash", target="tiny", data=(str(engines.PROMPTS),), output=str(output),
                          draft_vocab_size=1024, block_size=DRAFTS + 1, draft_layers=1, num_anchors=16, step_decay=0.9,

@@ -1,11 +1,11 @@
-"""`eaglekit.interop.distribution`: the per-position two-sample test behind bench's lossless check at T > 0."""
+"""`eaglekit.vllm.distribution`: the per-position two-sample test behind bench's lossless check at T > 0."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eaglekit.interop.distribution import compare, homogeneity, p_value
+from eaglekit.vllm.distribution import compare, homogeneity, p_value
 
 
 def test_p_values_are_chi_square_tail_probabilities():

@@ -295,7 +295,7 @@ def test_cheap_commands_run_as_written(command, monkeypatch, capsys):
     argv = on_tiny(command.argv)
     engine = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--engine"), None)
     if engine:
-        from eaglekit.interop.engine_source import open_source
+        from eaglekit.doctor.source import open_source
 
         try:
             open_source(engine)

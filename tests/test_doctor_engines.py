@@ -12,8 +12,8 @@ import pytest
 
 from eaglekit.cli import main
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.engine_doctor import diagnose, format_report
-from eaglekit.interop.plugin import plugin_entry_points, write_vllm_plugin
+from eaglekit.doctor.diagnose import diagnose, format_report
+from eaglekit.doctor.plugin import plugin_entry_points, write_vllm_plugin
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engines"
 VLLM_TREE = FIXTURES / "vllm_tree"
@@ -280,9 +280,9 @@ def test_installed_plugin_entry_point_is_detected(tmp_path, monkeypatch):
 def test_vllm_of_its_own_venv_is_read_with_the_plugins_installed_there(tmp_path, monkeypatch, capsys):
     """With no vLLM in this environment, the doctor reads the one in .venv-vllm (`make vllm-env`, what `bench
     engine=vllm` runs), and counts the plugins installed beside it, not those of this environment."""
-    from eaglekit.interop import vllm_engine
+    from eaglekit.doctor import source
 
-    monkeypatch.setattr(vllm_engine, "CHECKOUT", tmp_path / "checkout")  # no .venv-vllm there
+    monkeypatch.setattr(source, "CHECKOUT", tmp_path / "checkout")  # no .venv-vllm there
     monkeypatch.chdir(tmp_path)
     config = target_config(tmp_path, "ToyVLForConditionalGeneration")
     with pytest.raises(EaglekitError, match="make vllm-env"):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglekit.interop.engine_doctor import diagnose, format_report
-from eaglekit.interop.plugin import write_vllm_plugin
+from eaglekit.doctor.diagnose import diagnose, format_report
+from eaglekit.doctor.plugin import write_vllm_plugin
 
 pytestmark = pytest.mark.network
 CACHE = Path(os.environ.get("EAGLEKIT_TEST_WHEELS", "~/.cache/eaglekit-test-wheels")).expanduser()
@@ -112,10 +112,10 @@ def test_sglang_release(tmp_path):
 
 def test_export_layout_matches_the_real_loaders():
     """What `eaglekit export` writes is what these releases' loaders read (architecture, tensor prefix, id keys)."""
-    from eaglekit.interop import formats
-    from eaglekit.interop.engine_facts import sglang_registry, vllm_registry
-    from eaglekit.interop.engine_source import open_source
-    from eaglekit.interop.pysource import ModuleIndex
+    from eaglekit.drafters.eagle3 import formats
+    from eaglekit.doctor.facts import sglang_registry, vllm_registry
+    from eaglekit.doctor.source import open_source
+    from eaglekit.doctor.pysource import ModuleIndex
 
     for version in (OLD_VLLM, NEW_VLLM):
         source = open_source("vllm", wheel(*version))

@@ -19,8 +19,8 @@ import pytest
 
 import engines
 from eaglekit.config import load_config
-from eaglekit.interop import vllm_engine as ve
-from eaglekit.interop.engine_doctor import vllm_serving_note
+from eaglekit.vllm import engine as ve
+from eaglekit.doctor.diagnose import vllm_serving_note
 from eaglekit.stages import doctor
 
 pytestmark = pytest.mark.engine
@@ -56,8 +56,8 @@ def build_drafter_export(output: Path) -> str:
     """A random drafter for any of the targets above, in vLLM's layout (with its own embedding)."""
     import torch
 
-    from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-    from eaglekit.interop.convert import export_drafter
+    from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+    from eaglekit.drafters.eagle3.convert import export_drafter
 
     torch.manual_seed(1)
     drafter = Eagle3Drafter(DrafterConfig(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from builders import both_ttt_paths
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-from eaglekit.draft.ttt import (
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import (
     expected_acceptance,
     naive_ttt_forward,
     reference_step,
@@ -75,7 +75,7 @@ def test_shift_and_masks_golden() -> None:
 def test_mean_mask_counts_match_step_masks() -> None:
     """The per-step token counts step_weighting=tokens divides by are the mean sizes of step_masks' accuracy
     masks, for records of mixed lengths (some shorter than the steps, some cut by max_length)."""
-    from eaglekit.draft.data import mean_mask_counts, pad_stack
+    from eaglekit.training.data import mean_mask_counts, pad_stack
 
     generator = torch.Generator().manual_seed(0)
     tokens = [(torch.zeros(n, dtype=torch.long), (torch.rand(n, generator=generator) < 0.6).long()) for n in (1, 3, 9, 40, 75)]
@@ -135,7 +135,7 @@ def test_flex_attention_matches_sdpa() -> None:
 
 def test_compiled_ttt_module_matches_naive() -> None:
     """The torch.compile path (`compile=true`; aot_eager here: inductor on CPU takes ~90 s, checked by hand)."""
-    from eaglekit.draft.train import TTTModule
+    from eaglekit.training.loop import TTTModule
 
     drafter = tiny_drafter()
     aux, ids, loss_mask, probs, in_vocab, _ = batch(drafter)
@@ -152,9 +152,9 @@ def test_compiled_ttt_module_matches_naive() -> None:
 
 
 def test_init_from_reads_other_formats_through_interop(tmp_path) -> None:
-    """`train init_from=` accepts a vLLM/SGLang/speculators layout via eaglekit.interop (same weights back)."""
-    pytest.importorskip("eaglekit.interop.convert")
-    from eaglekit.interop.convert import export_drafter, load_drafter
+    """`train init_from=` accepts a vLLM/SGLang/speculators layout via eaglekit.doctor (same weights back)."""
+    pytest.importorskip("eaglekit.drafters.eagle3.convert")
+    from eaglekit.drafters.eagle3.convert import export_drafter, load_drafter
 
     drafter = tiny_drafter()
     export_drafter(drafter, tmp_path / "vllm", "vllm")

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from eaglekit.draft import mla
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-from eaglekit.draft.ttt import soft_labels, ttt_forward
+from eaglekit.drafters.eagle3 import mla
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import soft_labels, ttt_forward
 from eaglekit.errors import EaglekitError
 
 H, HEADS, VOCAB = 32, 4, 96
@@ -192,7 +192,7 @@ def test_export_import_round_trip_keeps_logits(tmp_path, fmt, variant):
 
     from transformers import DeepseekV3Config
 
-    from eaglekit.interop.convert import export_drafter, import_checkpoint, probe_logits
+    from eaglekit.drafters.eagle3.convert import export_drafter, import_checkpoint, probe_logits
 
     drafter = mla_drafter(rope_parameters=YARN, **variant)
     summary = export_drafter(drafter, tmp_path / fmt, fmt)
@@ -213,7 +213,7 @@ def test_export_import_round_trip_keeps_logits(tmp_path, fmt, variant):
 
 
 def test_export_refusals_name_the_fix(tmp_path):
-    from eaglekit.interop.convert import export_drafter
+    from eaglekit.drafters.eagle3.convert import export_drafter
 
     with pytest.raises(EaglekitError, match="speculators has no MLA drafter"):
         export_drafter(mla_drafter(), tmp_path / "s", "speculators")
@@ -223,7 +223,7 @@ def test_export_refusals_name_the_fix(tmp_path):
 
 def test_required_key_check_covers_the_mla_tensors():
     """SGLang skips missing tensors silently: the exporter's key check lists every MLA tensor."""
-    from eaglekit.interop import formats
+    from eaglekit.drafters.eagle3 import formats
 
     config = mla_config()
     state = formats.to_checkpoint_state(mla_drafter().state_dict(), "sglang")
@@ -257,7 +257,7 @@ def tiny_deepseek_target(directory) -> str:
 
 
 def train_config(target: str, output, **overrides):
-    from eaglekit.train_config import TrainConfig
+    from eaglekit.config.train import TrainConfig
 
     from engines import PROMPTS
 
@@ -270,7 +270,7 @@ def train_config(target: str, output, **overrides):
 def test_train_drafter_arch_mla_takes_the_targets_dims(tmp_path):
     """`eaglekit train drafter_arch=mla` on an MLA target: the drafter's MLA dims and YaRN RoPE are the target's;
     an explicit option wins over the target's value."""
-    from eaglekit.draft.train import train
+    from eaglekit.training.loop import train
 
     target = tiny_deepseek_target(tmp_path / "target")
     train(train_config(target, tmp_path / "drafter", v_head_dim=6))
@@ -282,7 +282,7 @@ def test_train_drafter_arch_mla_takes_the_targets_dims(tmp_path):
 
 
 def test_train_drafter_arch_mla_on_a_non_mla_target_names_the_options(tmp_path):
-    from eaglekit.draft.train import train
+    from eaglekit.training.loop import train
 
     with pytest.raises(EaglekitError, match="q_lora_rank=N kv_lora_rank=N"):
         train(train_config("tiny", tmp_path / "drafter"))
@@ -319,7 +319,7 @@ def test_import_reads_a_published_style_layers_0_checkpoint(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from eaglekit.interop.convert import export_drafter, import_checkpoint, probe_logits
+    from eaglekit.drafters.eagle3.convert import export_drafter, import_checkpoint, probe_logits
 
     drafter = mla_drafter()
     export_drafter(drafter, tmp_path / "v", "vllm")

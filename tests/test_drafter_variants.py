@@ -9,8 +9,8 @@ import torch
 
 from builders import VOCAB, both_ttt_paths, tiny_target
 from eaglekit.decode import generate
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-from eaglekit.draft.ttt import naive_ttt_forward, reference_fuse, reference_step, soft_labels
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.ttt import naive_ttt_forward, reference_fuse, reference_step, soft_labels
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import default_aux_layers
 
@@ -177,8 +177,8 @@ def test_export_and_import_keep_the_variant(fmt, name, tmp_path):
 
     from safetensors.torch import load_file
 
-    from eaglekit.interop import formats
-    from eaglekit.interop.convert import export_drafter, import_checkpoint
+    from eaglekit.drafters.eagle3 import formats
+    from eaglekit.drafters.eagle3.convert import export_drafter, import_checkpoint
 
     flags = VARIANTS[name]
     drafter = randomized(Eagle3Drafter(variant_config(target_hidden=32, **flags)))
@@ -208,7 +208,7 @@ def test_import_reads_sglang_legacy_fc_norm_names(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from eaglekit.interop.convert import export_drafter, import_checkpoint
+    from eaglekit.drafters.eagle3.convert import export_drafter, import_checkpoint
 
     drafter = randomized(Eagle3Drafter(variant_config(fc_norm=True)))
     export_drafter(drafter, tmp_path, "sglang")
@@ -257,7 +257,7 @@ def test_train_options_build_and_keep_the_variant(chat_target, chat_data, tmp_pa
     stage.run(options("tuned", init_from=str(tmp_path / "v31"), max_steps=1))
     tuned = Eagle3Drafter.from_pretrained(tmp_path / "tuned")
     assert tuned.config.fc_norm and tuned.config.norm_output
-    from eaglekit.interop.convert import export_drafter
+    from eaglekit.drafters.eagle3.convert import export_drafter
 
     export_drafter(drafter, tmp_path / "v31-vllm", "vllm")  # fine-tuning a published (vLLM-layout) EAGLE 3.1 drafter
     stage.run(options("tuned-vllm", init_from=str(tmp_path / "v31-vllm"), max_steps=1, draft_vocab_size=32))

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglekit.config import load_config
-from eaglekit.draft.model import OUTPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.model import OUTPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
 from eaglekit.errors import EaglekitError
-from eaglekit.interop import convert, formats
-from eaglekit.interop.convert import compare_drafters, export_drafter, import_checkpoint
+from eaglekit.drafters.eagle3 import convert, formats
+from eaglekit.drafters.eagle3.convert import compare_drafters, export_drafter, import_checkpoint
 from eaglekit.stages import export as export_stage
 from eaglekit.stages import import_ as import_stage
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eaglekit.interop.convert import export_drafter
+from eaglekit.drafters.eagle3.convert import export_drafter
 from test_interop_formats import make_drafter
 
 LOADER = r'''

@@ -25,8 +25,8 @@ NUM_PROMPTS, NEW_TOKENS, DRAFTS = 4, 32, 3
 
 
 def train_mla_drafter(target: str, output: Path, data: str) -> str:
-    from eaglekit.draft.train import train
-    from eaglekit.train_config import TrainConfig
+    from eaglekit.training.loop import train
+    from eaglekit.config.train import TrainConfig
 
     train(TrainConfig(target=target, data=(data,), output=str(output), drafter_arch="mla", draft_vocab_size=512,
                       ttt_steps=3, max_steps=20, batch_size=4, max_length=96, lr=3e-3, warmup_steps=2,
@@ -75,7 +75,7 @@ def rope_variant(drafter_dir: str, output: Path, rope: dict | None) -> str:
 
     import torch
 
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
     trained = Eagle3Drafter.from_pretrained(drafter_dir)
     rope = dict(rope or trained.config.rope_parameters)
@@ -101,8 +101,8 @@ def vllm_acceptance(target: str, drafter: str, workdir: Path) -> dict:
     """One vLLM run of `drafter` (exported here) on the bench's prompt ids -> tau and acceptance per position."""
     from eaglekit.data import prompt_messages, read_conversations
     from eaglekit.decode.setup import prompt_ids
-    from eaglekit.interop import vllm_engine as ve
-    from eaglekit.interop.vllm_bench import export_for_vllm, model_length
+    from eaglekit.vllm import engine as ve
+    from eaglekit.vllm.bench import export_for_vllm, model_length
     from eaglekit.target.loading import load_tokenizer
 
     tokenizer = load_tokenizer(target)
@@ -123,7 +123,7 @@ def test_vllm_applies_yarn_to_the_mla_drafter_as_eaglekit_does(benched, tmp_path
     """YaRN RoPE on the drafter (frequencies, cos/sin magnitude mscale(f, 1)/mscale(f, 0.3), softmax factor
     mscale(f, 0.3)^2): eaglekit's drafts change with it, and vLLM's acceptance per position is still eaglekit's."""
     _, _, drafter_dir = benched
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
     target = Eagle3Drafter.from_pretrained(drafter_dir).config.target_name_or_path
     plain = eaglekit_chain(target, rope_variant(drafter_dir, tmp_path / "rope", None), tmp_path / "bench-rope")
@@ -137,7 +137,7 @@ def test_vllm_applies_yarn_to_the_mla_drafter_as_eaglekit_does(benched, tmp_path
 
 
 def test_the_trained_drafter_is_mla_with_the_targets_dims(benched):
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
     _, _, drafter = benched
     config = Eagle3Drafter.from_pretrained(drafter).config
@@ -170,8 +170,8 @@ def config_reads(source: str) -> set[str]:
 def exported_config(tmp_path: Path, fmt: str) -> dict:
     import torch
 
-    from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-    from eaglekit.interop.convert import export_drafter
+    from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+    from eaglekit.drafters.eagle3.convert import export_drafter
 
     config = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
                            vocab_size=64, draft_vocab_size=32, target_hidden_size=32, aux_layer_ids=(1, 2, 3),

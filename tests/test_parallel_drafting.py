@@ -12,10 +12,10 @@ from builders import VOCAB, OracleDrafter, random_drafter, sampled_against_plain
 from eaglekit.decode import Decoder
 from eaglekit.decode.backends import EagerDrafter
 from eaglekit.decode.parallel import parallel_logits
-from eaglekit.draft.build import load_saved_drafter, saved_drafter_type
-from eaglekit.draft.parallel import anchor_logits, naive_parallel_forward, parallel_forward, to_parallel
+from eaglekit.drafters.eagle3.build import load_saved_drafter, saved_drafter_type
+from eaglekit.drafters.p_eagle.train import anchor_logits, naive_parallel_forward, parallel_forward, to_parallel
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.distribution import compare
+from eaglekit.vllm.distribution import compare
 
 PROMPTS = ([5, 17, 33, 2, 9, 41], [7, 3, 60, 12])
 MASK_TOKEN = VOCAB - 1
@@ -26,7 +26,7 @@ def p_eagle(target, seed: int = 1, **variant):
     if variant:
         from dataclasses import replace
 
-        from eaglekit.draft.model import Eagle3Drafter
+        from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
         plain = drafter
         drafter = Eagle3Drafter(replace(plain.config, **variant))

@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from builders import random_drafter, tiny_target
 from eaglekit.config import load_config
-from eaglekit.draft.build import load_saved_drafter
-from eaglekit.draft.parallel import to_parallel
+from eaglekit.drafters.eagle3.build import load_saved_drafter
+from eaglekit.drafters.p_eagle.train import to_parallel
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.convert import export_drafter, import_checkpoint
+from eaglekit.drafters.eagle3.convert import export_drafter, import_checkpoint
 from eaglekit.stages import train as stage
 from test_train import data_file, metrics, options  # noqa: F401 (data_file: the fixture)
 
@@ -29,7 +29,7 @@ def eagle3(chat_target, data_file, tmp_path_factory):  # noqa: F811
 
 
 def test_p_eagle_from_an_eagle3_drafter_resumes_exactly(chat_target, data_file, eagle3, tmp_path):  # noqa: F811
-    from eaglekit.draft.train import train
+    from eaglekit.training.loop import train
 
     common = {"drafter_type": "p-eagle", "init_from": str(eagle3), "ttt_steps": 4, "save_every": 2, "batch_size": 2,
               "log_every": 1, "max_steps": 4}
@@ -123,8 +123,8 @@ def test_run_benches_the_trained_types_methods(chat_target, run_prompts, tmp_pat
 
 
 def test_doctor_reads_the_served_drafter_types_from_the_engine_source(tmp_path) -> None:
-    from eaglekit.interop.drafter_types import drafter_type_support
-    from eaglekit.interop.engine_source import DirectorySource
+    from eaglekit.doctor.drafter_support import drafter_type_support
+    from eaglekit.doctor.source import DirectorySource
 
     models = tmp_path / "vllm" / "model_executor" / "models"
     models.mkdir(parents=True)

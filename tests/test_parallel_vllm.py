@@ -16,9 +16,9 @@ import pytest
 
 import engines
 from eaglekit.config import load_config
-from eaglekit.draft.build import saved_drafter_type
-from eaglekit.interop import vllm_engine as ve
-from eaglekit.interop.vllm_bench import export_for_vllm, model_length
+from eaglekit.drafters.eagle3.build import saved_drafter_type
+from eaglekit.vllm import engine as ve
+from eaglekit.vllm.bench import export_for_vllm, model_length
 from eaglekit.stages import bench
 from test_vllm_targets import NEW_TOKENS, NUM_PROMPTS, assert_equal_acceptance, prompt_ids
 

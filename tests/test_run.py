@@ -44,10 +44,10 @@ def statuses(result: dict) -> dict[str, str]:
 def test_pipeline_end_to_end_interrupt_resume_skip_and_change(chat_target, run_prompts, tmp_path, monkeypatch):
     out = tmp_path / "run"
     config = tiny_run(chat_target, run_prompts, out)
-    from eaglekit.interop import vllm_engine
+    from eaglekit.doctor import source
     from eaglekit.stages import train
 
-    monkeypatch.setattr(vllm_engine, "_venvs", lambda: [])  # no vLLM anywhere: the doctor stage says unknown
+    monkeypatch.setattr(source, "vllm_venvs", lambda: [])  # no vLLM anywhere: the doctor stage says unknown
 
     real_train = train.run
 

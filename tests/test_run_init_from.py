@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from eaglekit.config import load_config
-from eaglekit.draft.build import drafter_config_for
-from eaglekit.draft.model import Eagle3Drafter
+from eaglekit.drafters.eagle3.build import drafter_config_for
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import run as run_stage
 from eaglekit.stages.run import Config, plan

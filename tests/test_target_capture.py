@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 from torch import nn
 
-from eaglekit.draft.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
+from eaglekit.drafters.eagle3.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
 from eaglekit.target.capture import (
     HiddenStateCapture,

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from builders import write_random_chats
 
 from eaglekit.config import load_config
-from eaglekit.draft.build import with_vocab
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-from eaglekit.draft.vocab import VocabMapping, load_vocab, mapping_from_drafter, save_vocab
+from eaglekit.drafters.eagle3.build import with_vocab
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.vocab import VocabMapping, load_vocab, mapping_from_drafter, save_vocab
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import train as stage
 
@@ -59,7 +59,7 @@ def test_online_training_writes_a_loadable_drafter(chat_target, data_file, tmp_p
 
 
 def test_killed_and_resumed_run_matches_an_uninterrupted_one(chat_target, data_file, tmp_path):
-    from eaglekit.draft.train import train
+    from eaglekit.training.loop import train
 
     common = {"epochs": 2, "save_every": 2, "grad_accum": 2, "batch_size": 2, "log_every": 1}
     train(options(chat_target, data_file, tmp_path / "a", **common))
@@ -127,7 +127,7 @@ def test_bad_inputs_are_refused(chat_target, data_file, tmp_path):
     foreign.save_pretrained(tmp_path / "foreign")
     with pytest.raises(EaglekitError, match="hidden size 16"):
         stage.run(options(chat_target, data_file, tmp_path / "f", init_from=str(tmp_path / "foreign")))
-    from eaglekit.draft.train import train
+    from eaglekit.training.loop import train
 
     def diverge(step: int, trainer) -> None:  # weights blow up after step 1 has been checkpointed
         if step == 1:
@@ -175,8 +175,8 @@ def test_init_std_draws_a_fresh_drafters_layers_from_a_normal(chat_target, data_
 def test_seed_leaves_the_validation_split_to_split_seed(chat_target, data_file, tmp_path):
     import contextlib
 
-    from eaglekit.draft.setup import setup
-    from eaglekit.draft.train import Trainer, setup_distributed
+    from eaglekit.training.setup import setup
+    from eaglekit.training.loop import Trainer, setup_distributed
 
     def split(**extra):
         config = options(chat_target, data_file, tmp_path / "run", **extra)
@@ -195,9 +195,9 @@ def test_token_step_weighting_weighs_every_token_the_same(chat_target, data_file
     records (what packed training does); with equal weighting the short record would count as much as the long one."""
     import contextlib
 
-    from eaglekit.draft.data import mean_mask_counts
-    from eaglekit.draft.setup import setup
-    from eaglekit.draft.train import Trainer, setup_distributed
+    from eaglekit.training.data import mean_mask_counts
+    from eaglekit.training.setup import setup
+    from eaglekit.training.loop import Trainer, setup_distributed
 
     config = options(chat_target, data_file, tmp_path / "run", step_weighting="tokens", batch_size=1, draft_vocab_size=10**6)
     with contextlib.ExitStack() as stack:

@@ -31,7 +31,7 @@ SETTINGS = {"target": "tiny", "data": [str(PROMPTS)], "batch_size": 8, "epochs":
 @torch.no_grad()
 def unigram_baseline(config) -> float:
     """Accuracy on the validation positions of always predicting the most frequent training assistant token."""
-    from eaglekit.draft.data import conversation_records, split_indices
+    from eaglekit.training.data import conversation_records, split_indices
     from eaglekit.target.loading import load_target, load_tokenizer
 
     records = sorted(conversation_records(config.data, load_tokenizer("tiny"), config.max_length), key=lambda r: r["id"])
@@ -50,7 +50,7 @@ def unigram_baseline(config) -> float:
 
 
 def test_drafter_beats_unigram_baseline(tmp_path):
-    from eaglekit.draft.train import train
+    from eaglekit.training.loop import train
 
     config = load_config(stage.Config, overrides={**SETTINGS, "output": str(tmp_path / "drafter")})
     result = train(config)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from eaglekit.config import load_config
-import eaglekit.draft.setup as train_setup
-from eaglekit.draft.data import padded_length
-from eaglekit.draft.train import pad_multiple, train
+import eaglekit.training.setup as train_setup
+from eaglekit.training.data import padded_length
+from eaglekit.training.loop import pad_multiple, train
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import train as stage
 
@@ -77,8 +77,8 @@ def test_extra_padding_leaves_loss_and_accuracy_unchanged(chat_target, data_file
 def test_compiled_flex_attention_does_not_recompile_per_length():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from eaglekit.draft.model import compiled_flex_attention
-    from eaglekit.draft.ttt import ttt_block_mask
+    from eaglekit.drafters.eagle3.model import compiled_flex_attention
+    from eaglekit.drafters.eagle3.ttt import ttt_block_mask
 
     torch._dynamo.reset()  # no compiled entries of flex_attention left by other tests count against the limit
     counter = CompileCounterWithBackend("aot_eager")

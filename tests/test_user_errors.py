@@ -148,8 +148,8 @@ def test_generate_refuses_a_drafter_made_for_another_target(drafter_dir, tmp_pat
 def test_a_drafter_whose_target_only_has_another_name_is_used_with_a_warning(chat_target, tmp_path, caplog):
     from transformers import AutoConfig
 
-    from eaglekit.draft.model import Eagle3Drafter
-    from eaglekit.draft.setup import check_drafter_target
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
+    from eaglekit.training.setup import check_drafter_target
 
     drafter = Eagle3Drafter.from_pretrained(save_drafter(tmp_path / "d", chat_target, "org/other-model"))
     with caplog.at_level(logging.WARNING):

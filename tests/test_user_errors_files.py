@@ -58,7 +58,7 @@ def _disk_full(*args, **kwargs):
 
 def test_a_full_disk_in_train_leaves_no_partial_checkpoint(chat_target, data, tmp_path, monkeypatch):
     from eaglekit.config import load_config
-    from eaglekit.draft import checkpoint
+    from eaglekit.training import checkpoint
     from eaglekit.stages import train
 
     monkeypatch.setattr(checkpoint.torch, "save", _disk_full)

@@ -37,7 +37,7 @@ def test_vllm_reads_the_variant_flags_and_feeds_back_the_post_norm_state():
 
 @pytest.mark.network
 def test_sglang_reads_the_variant_flags_and_feeds_back_the_post_norm_state():
-    from eaglekit.interop.engine_source import open_source
+    from eaglekit.doctor.source import open_source
     from test_doctor_real_engines import SGLANG, wheel
 
     loader = flat(open_source("sglang", wheel(*SGLANG)).read("sglang/srt/models/llama_eagle3.py"))

@@ -51,8 +51,8 @@ print(json.dumps({"missing": sorted(missing), "unexpected": sorted(unexpected),
 
 def speculators_checkpoint(trained: str, workdir) -> tuple[str, dict]:
     """speculators' own checkpoint of the trained drafter's weights -> (directory, what the build printed)."""
-    from eaglekit.draft.model import Eagle3Drafter
-    from eaglekit.interop.convert import export_drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.convert import export_drafter
     from eaglekit.target.loading import tiny_target_path
 
     drafter = Eagle3Drafter.from_pretrained(trained)
@@ -83,10 +83,10 @@ def trained(tiny_drafter) -> str:
 def test_speculators_norm_before_fc_checkpoint_imports_and_decodes_as_vllm(trained, tmp_path):
     from eaglekit.data import prompt_messages, read_conversations
     from eaglekit.decode.setup import prompt_ids
-    from eaglekit.draft.model import Eagle3Drafter
-    from eaglekit.interop import vllm_bench
-    from eaglekit.interop import vllm_engine as ve
-    from eaglekit.interop.convert import import_checkpoint
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
+    from eaglekit.vllm import bench as vllm_bench
+    from eaglekit.vllm import engine as ve
+    from eaglekit.drafters.eagle3.convert import import_checkpoint
     from eaglekit.target.loading import load_tokenizer, tiny_target_path
 
     checkpoint, built = speculators_checkpoint(trained, tmp_path)

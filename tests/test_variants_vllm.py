@@ -17,9 +17,9 @@ import pytest
 
 import engines
 from eaglekit.config import load_config
-from eaglekit.draft.model import Eagle3Drafter
-from eaglekit.interop import vllm_engine as ve
-from eaglekit.interop.vllm_bench import PLAIN, export_for_vllm, model_length
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
+from eaglekit.vllm import engine as ve
+from eaglekit.vllm.bench import PLAIN, export_for_vllm, model_length
 from eaglekit.stages import bench
 from eaglekit.target.loading import tiny_target_path
 from test_vllm_targets import prompt_ids

@@ -14,7 +14,7 @@ import pytest
 
 import engines
 from eaglekit.config import load_config
-from eaglekit.interop import vllm_engine as ve
+from eaglekit.vllm import engine as ve
 from eaglekit.stages import bench, regen
 
 pytestmark = pytest.mark.engine
@@ -79,7 +79,7 @@ def test_vllm_sampling_is_checked_against_its_own_plain_sampling(benched):
 
     from eaglekit.decode import Decoder
     from eaglekit.decode.setup import load_drafter
-    from eaglekit.interop.distribution import ALPHA, compare
+    from eaglekit.vllm.distribution import ALPHA, compare
     from eaglekit.target.loading import load_target
 
     output, result = benched

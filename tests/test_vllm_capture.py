@@ -24,8 +24,8 @@ import torch
 import engines
 from eaglekit.config import load_config
 from eaglekit.errors import EaglekitError
-from eaglekit.interop import vllm_capture as vc
-from eaglekit.interop import vllm_engine as ve
+from eaglekit.vllm import capture as vc
+from eaglekit.vllm import engine as ve
 from eaglekit.stages import extract, regen
 from eaglekit.target.store import HiddenStateDataset, StoreLayout
 
@@ -228,7 +228,7 @@ def test_kimi_vl_wrapper_captured_with_the_doctor_plugin_equals_hf(tmp_path, mon
     from eaglekit.stages import doctor
     from test_vllm_targets import vllm_package_dir
 
-    from eaglekit.interop import vllm_engine as ve
+    from eaglekit.vllm import engine as ve
 
     engine = ve.find_engine(engines.vllm_python())
     language_model = Path(engines.random_target("deepseek_v3", tmp_path / "deepseek"))

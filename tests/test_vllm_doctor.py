@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 import engines
-from eaglekit.interop import vllm_engine as ve
-from eaglekit.interop.engine_doctor import diagnose
+from eaglekit.vllm import engine as ve
+from eaglekit.doctor.diagnose import diagnose
 
 pytestmark = pytest.mark.engine
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eaglekit.errors import EaglekitError
-from eaglekit.interop import vllm_engine as ve
-from eaglekit.interop.vllm_bench import engine_error
+from eaglekit.vllm import engine as ve
+from eaglekit.vllm.bench import engine_error
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter

@@ -23,8 +23,8 @@ import pytest
 
 import engines
 from eaglekit.config import load_config
-from eaglekit.interop import vllm_engine as ve
-from eaglekit.interop.vllm_bench import export_for_vllm, model_length
+from eaglekit.vllm import engine as ve
+from eaglekit.vllm.bench import export_for_vllm, model_length
 from eaglekit.stages import bench, doctor
 
 pytestmark = pytest.mark.engine

@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from eaglekit.draft.model import DrafterConfig, Eagle3Drafter
-from eaglekit.draft.vocab import VocabMapping, count_tokens, load_vocab, remap_rows, save_vocab, select_vocab
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.vocab import VocabMapping, count_tokens, load_vocab, remap_rows, save_vocab, select_vocab
 from eaglekit.errors import EaglekitError
 
 

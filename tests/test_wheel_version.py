@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from eaglekit.interop.engine_source import open_source, wheel_version
+from eaglekit.doctor.source import open_source, wheel_version
 
 
 @pytest.mark.parametrize("filename, version", [

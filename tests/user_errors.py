@@ -85,8 +85,8 @@ def save_drafter(directory: Path, target_dir: str, target_name: str) -> Path:
     """An untrained eaglekit drafter shaped for `target_dir`, naming `target_name` as its target."""
     from transformers import AutoConfig
 
-    from eaglekit.draft.build import drafter_config_for
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.build import drafter_config_for
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
     from eaglekit.target.capture import default_aux_layers
 
     config = AutoConfig.from_pretrained(target_dir)

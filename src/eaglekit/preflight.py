@@ -9,9 +9,9 @@ the first refusal as one `EaglekitError` naming the stage and the fix:
   target that speculative decoding can run (`decode.windows.check_speculative`: full and sliding-window attention
   layers only) when it measures chain or tree, the static fast path's coverage with `backend=static`, and with
   `engine=vllm` an installed vLLM of the tested version that the doctor does not call "not supported" for the
-  target (`interop.vllm_bench.check_served`);
+  target (`vllm.bench.check_served`);
 - export: for each format, the drafter that train will build (shapes from the target, aux layers, variant flags,
-  `drafter_arch`; or `init_from`'s own config) against that format's rules (`interop.formats.check_exportable`);
+  `drafter_arch`; or `init_from`'s own config) against that format's rules (`drafters.eagle3.formats.check_exportable`);
 - doctor: nothing; a doctor that cannot read an engine reports the verdict "unknown" instead of failing the run.
 """
 
@@ -61,9 +61,9 @@ def check_bench(config: Any, target_config: Any, methods: list[str]) -> None:
         raise EaglekitError(f"{config.prompts} holds no conversations: pass bench.prompts= a conversation file")
     check_decoding(target_config, methods, config.backend, config.target)
     if config.engine == "vllm":
-        from eaglekit.interop.vllm_engine import find_engine
+        from eaglekit.vllm.engine import find_engine
 
-        from eaglekit.interop.vllm_bench import check_served
+        from eaglekit.vllm.bench import check_served
         from eaglekit.target.loading import local_model_dir
 
         check_served(find_engine(config.vllm_python, config.vllm_version_check), local_model_dir(config.target))
@@ -75,9 +75,9 @@ def planned_drafter(train: Any, target_config: Any, aux_layers: tuple[int, ...])
     other than eagle3, an `init_from` in another format)."""
     import dataclasses
 
-    from eaglekit.draft import mla
-    from eaglekit.draft.build import drafter_config_for, requested_variant
-    from eaglekit.draft.model import FORMAT, DrafterConfig
+    from eaglekit.drafters.eagle3 import mla
+    from eaglekit.drafters.eagle3.build import drafter_config_for, requested_variant
+    from eaglekit.drafters.eagle3.model import FORMAT, DrafterConfig
     from eaglekit.target.capture import text_config
 
     if getattr(train, "drafter_type", "eagle3") != "eagle3":
@@ -94,7 +94,7 @@ def planned_drafter(train: Any, target_config: Any, aux_layers: tuple[int, ...])
 
 def check_export(formats: Iterable[str], drafter: Any) -> None:
     """What `eaglekit export --to FORMAT` refuses of this drafter config, for each format."""
-    from eaglekit.interop.formats import check_exportable
+    from eaglekit.drafters.eagle3.formats import check_exportable
 
     for fmt in formats:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from eaglekit.decode.engine import METHODS, DecodeOptions, DecodeStats, GenerateResult, decode_loop
-from eaglekit.decode_options import CHAIN_METHODS
+from eaglekit.config.decode import CHAIN_METHODS
 from eaglekit.errors import EaglekitError
 
 BACKENDS = ("eager", "static")
@@ -19,8 +19,8 @@ def static_drafter_supported(drafter: torch.nn.Module) -> bool:
     """True when a static drafter step covers `drafter`: an `Eagle3Drafter` with a Llama-style midlayer, or a
     `DFlashDrafter`. Any other drafter (another midlayer, or an object that only keeps the drafter contract) runs
     the eager reference drafter, also under backend=static."""
-    from eaglekit.draft.dflash import DFlashDrafter
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.dflash.model import DFlashDrafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
     if isinstance(drafter, DFlashDrafter):
         return True

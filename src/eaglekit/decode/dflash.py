@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from eaglekit.decode.tree import DraftTree, chain_from_logits
-from eaglekit.decode_options import DecodeOptions
-from eaglekit.draft.dflash import check_block
+from eaglekit.config.decode import DecodeOptions
+from eaglekit.drafters.dflash.model import check_block
 
 
 class DFlashDrafterBackend:

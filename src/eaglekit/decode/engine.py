@@ -33,7 +33,7 @@ from eaglekit.decode.tree import (
     DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier, sample_candidates,
 )
 from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_chain, verify_sampled_tree
-from eaglekit.decode_options import CHAIN_METHODS, METHODS, DecodeOptions  # noqa: F401 (re-exported: eaglekit.decode.engine's API)
+from eaglekit.config.decode import CHAIN_METHODS, METHODS, DecodeOptions  # noqa: F401 (re-exported: eaglekit.decode.engine's API)
 
 SYNC_EVERY = 16  # plain decoding: steps between host checks for EOS
 
@@ -252,7 +252,7 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
     elif not done:
         hidden, draft_logits = prefill_drafter()
         while not done:
-            with record_function("eaglekit.draft"):
+            with record_function("eaglekit.drafters.eagle3"):
                 tree, ancestors = grow(drafter_backend, drafter, hidden[-1], draft_logits[-1], token, m, options,
                                        vocab_size, generator)
             with record_function("eaglekit.verify_forward"):

@@ -42,7 +42,7 @@ def _eagle_static(drafter, capacity: int, draft_slots: int, compile: bool):
 def speculative_method(name: str) -> SpeculativeMethod:
     """The grow function and drafter backends of speculative method `name`."""
     from eaglekit.decode.backends import EagerDrafter
-    from eaglekit.draft.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
     if name in ("chain", "tree"):
         from eaglekit.decode.engine import grow_tree
@@ -55,7 +55,7 @@ def speculative_method(name: str) -> SpeculativeMethod:
     if name == "dflash":
         from eaglekit.decode.dflash import DFlashDrafterBackend, grow_dflash
         from eaglekit.decode.dflash_static import StaticDFlashDrafter
-        from eaglekit.draft.dflash import DFlashDrafter
+        from eaglekit.drafters.dflash.model import DFlashDrafter
 
         return SpeculativeMethod(name, grow_dflash, DFlashDrafterBackend, StaticDFlashDrafter, (DFlashDrafter,))
     raise EaglekitError(f"method={name} is not a speculative method this eaglekit decodes")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from eaglekit.decode.tree import DraftTree, chain_from_logits
-from eaglekit.decode_options import DecodeOptions
+from eaglekit.config.decode import DecodeOptions
 
 
 def parallel_logits(drafter_backend, drafter, root_logits: torch.Tensor, start: int | torch.Tensor,

@@ -28,8 +28,8 @@ def check_drafter_path(path: str) -> None:
 def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype, target_name: str = ""):
     """An eaglekit drafter on `device`, checked against `target` (refused when made for a structurally different
     one); a drafter saved without its embedding gets the target's. `target_name` defaults to the loaded path."""
-    from eaglekit.draft.build import load_saved_drafter
-    from eaglekit.draft.setup import check_drafter_target
+    from eaglekit.drafters.eagle3.build import load_saved_drafter
+    from eaglekit.training.setup import check_drafter_target
 
     check_drafter_path(path)
     drafter = load_saved_drafter(path, device=device, dtype=dtype).eval()  # the class of its saved drafter_type

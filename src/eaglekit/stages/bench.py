@@ -13,7 +13,7 @@ and the median is kept. Writes bench.json, bench.md and bench.png to `output`.
 `engine=vllm` adds the real vLLM's figures on the same prompt ids (rows `vllm_plain`, `vllm_eagle3` at T=0 and
 at each temperature above 0): tau and acceptance per position from vLLM's own spec-decode counters, whether the
 drafter kept vLLM's own output (T=0: the same ids; T > 0: the same distribution), and output tokens/s of
-`vllm serve` at each concurrency of `concurrency=` (eaglekit.interop.vllm_bench). vLLM runs in its own Python
+`vllm serve` at each concurrency of `concurrency=` (eaglekit.vllm.bench). vLLM runs in its own Python
 (`vllm_python=`, default: this one when it imports vllm, else .venv-vllm/bin/python from `make vllm-env`).
 
     eaglekit bench tiny-eval target=tiny drafter=runs/demo/train engine=vllm methods=chain chain_length=3
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eaglekit.config import option, save_resolved, to_dict
-from eaglekit.decode_options import CHAIN_METHODS, DecodeOptions
+from eaglekit.config.decode import CHAIN_METHODS, DecodeOptions
 from eaglekit.errors import EaglekitError
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
 
 def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -> list[dict[str, Any]]:
     """The real vLLM's rows; a refusal or a dead server becomes one failed row (eaglekit's rows are kept)."""
-    from eaglekit.interop.vllm_bench import EAGLE3, measure, speculative_row
+    from eaglekit.vllm.bench import EAGLE3, measure, speculative_row
     from eaglekit.target.loading import local_model_dir
 
     name = EAGLE3  # the failed row is named as the run it stands for, once the drafter's type is read
@@ -309,10 +309,10 @@ def run(config: Config) -> dict[str, Any]:
                        config.backend, config.target)
     engine = None
     if config.engine == "vllm":  # vLLM missing or of another version: refused before anything is measured
-        from eaglekit.interop.vllm_engine import find_engine
+        from eaglekit.vllm.engine import find_engine
 
         engine = find_engine(config.vllm_python, config.vllm_version_check)
-        from eaglekit.interop.vllm_bench import check_served
+        from eaglekit.vllm.bench import check_served
         from eaglekit.target.loading import local_model_dir
 
         check_served(engine, local_model_dir(config.target))

@@ -70,20 +70,20 @@ def run(config: Config) -> dict[str, Any]:
         if config.fix:
             raise EaglekitError("--fix needs --engine vllm")
         return _target_report(config)
-    from eaglekit.interop.engine_doctor import diagnose, format_report
+    from eaglekit.doctor.diagnose import diagnose, format_report
 
     report = diagnose(config.engine, config.target, config.engine_source, config.plugins, config.installed_plugins)
     fix_error = None
     if config.fix and report["verdict"] != "supported":
-        from eaglekit.interop.plugin import write_vllm_plugin
+        from eaglekit.doctor.plugin import write_vllm_plugin
 
         try:
             report["plugin_written"] = str(write_vllm_plugin(report, config.fix_output, config.overwrite))
         except EaglekitError as error:  # print the report that explains why first
             fix_error = error
     if config.drafter_type:
-        from eaglekit.interop.drafter_types import drafter_type_support, format_support
-        from eaglekit.interop.engine_source import open_source
+        from eaglekit.doctor.drafter_support import drafter_type_support, format_support
+        from eaglekit.doctor.source import open_source
 
         report["drafter_type"] = drafter_type_support(open_source(config.engine, config.engine_source), config.engine,
                                                       config.drafter_type)

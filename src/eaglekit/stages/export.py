@@ -21,7 +21,7 @@ from typing import Any
 
 from eaglekit.config import option, save_resolved
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.format_names import EXPORT_FORMATS
+from eaglekit.formats.names import EXPORT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ def _check_replacing(output: Path, made_from: dict[str, Any], overwrite: bool) -
 def run(config: Config) -> dict[str, Any]:
     import torch
 
-    from eaglekit.draft.model import Eagle3Drafter
-    from eaglekit.interop.convert import export_drafter
+    from eaglekit.drafters.eagle3.model import Eagle3Drafter
+    from eaglekit.drafters.eagle3.convert import export_drafter
     from eaglekit.manifest import claim_output, file_sha256, write_errors, write_manifest
 
     if not config.drafter:
@@ -80,7 +80,7 @@ def run(config: Config) -> dict[str, Any]:
     output = Path(config.output or f"{source.as_posix().rstrip('/')}-{config.to}")
     if output.resolve() == source.resolve():
         raise EaglekitError("output must differ from the drafter directory; pass output=<new dir>")
-    from eaglekit.draft.build import saved_drafter_type
+    from eaglekit.drafters.eagle3.build import saved_drafter_type
 
     if saved_drafter_type(source) == "dflash":
         return _run_dflash(config, source, output)
@@ -118,7 +118,7 @@ def run(config: Config) -> dict[str, Any]:
         f"(input-of-layer: {summary['aux_layer_ids_input_of_layer']}); re-import matched the source logits"
     )
     if config.to == "vllm":  # what vLLM checks of the target when it loads the drafter, where this vLLM can be read
-        from eaglekit.interop.engine_doctor import vllm_serving_note
+        from eaglekit.doctor.diagnose import vllm_serving_note
 
         note = vllm_serving_note(drafter.config.target_name_or_path, drafter.config.target_architecture)
         if note:
@@ -127,12 +127,12 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def _run_dflash(config: Config, source: Path, output: Path) -> dict[str, Any]:
-    """A DFlash drafter in vLLM's or speculators' DFlash layout (`eaglekit.interop.dflash_format`), verified by
+    """A DFlash drafter in vLLM's or speculators' DFlash layout (`eaglekit.drafters.dflash.formats`), verified by
     re-import; the embedding is never written (both engines share the target's)."""
     import torch
 
-    from eaglekit.draft.dflash import DFlashDrafter
-    from eaglekit.interop.dflash_format import export_dflash
+    from eaglekit.drafters.dflash.model import DFlashDrafter
+    from eaglekit.drafters.dflash.formats import export_dflash
     from eaglekit.manifest import claim_output, file_sha256, write_errors, write_manifest
 
     if config.to not in ("vllm", "speculators"):

@@ -12,7 +12,7 @@ written atomically by background threads (as many as the cores allow, see `write
 logged; a re-run resumes after the last complete shard.
 See docs/extract.md for the layout (`eaglekit.target.store`) and `HiddenStateDataset` for reading it; the work
 (batching, the hooked forwards, resume) is `eaglekit.target.extract`. `backend=vllm` has vLLM capture the states
-(`eaglekit.interop.vllm_capture`; `regenerate=true` answers the prompts in the same engine run) into the same store.
+(`eaglekit.vllm.capture`; `regenerate=true` answers the prompts in the same engine run) into the same store.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _target_config(config: Config) -> Any:
 
 
 def _engine_options(config: Config) -> Any:
-    from eaglekit.interop.vllm_capture import EngineOptions
+    from eaglekit.vllm.capture import EngineOptions
 
     try:
         extra = json.loads(config.vllm_engine_args) if config.vllm_engine_args else {}
@@ -212,7 +212,7 @@ def _engine_options(config: Config) -> Any:
 def _max_model_len(config: Config, target_config: Any, records: list[Any], prompts: list[int]) -> int:
     """Tokens the engine must hold per request: the longest record (+1 sampled token), or the longest prompt with
     its answer and the template's tail; never over the target's own context."""
-    from eaglekit.interop.vllm_regenerate import TEMPLATE_TAIL
+    from eaglekit.vllm.regenerate import TEMPLATE_TAIL
     from eaglekit.target.capture import text_config
 
     context = int(getattr(text_config(target_config), "max_position_embeddings", 0) or 1 << 30)
@@ -232,7 +232,7 @@ def _regeneration_data(config: Config, tokenizer: Any, done: set[str]) -> tuple[
     """The conversations still to answer and how to answer them."""
     from eaglekit.data import read_conversations
     from eaglekit.data.tokenize import resolve_chat_template
-    from eaglekit.interop.vllm_regenerate import Regeneration
+    from eaglekit.vllm.regenerate import Regeneration
 
     conversations = read_conversations(list(config.data), skip_errors=config.skip_errors)
     conversations = conversations[: config.limit] if config.limit else conversations
@@ -281,9 +281,9 @@ def _kept_conversations(path: Path, done: set[str]) -> Any:
 def _run_vllm(config: Config) -> ExtractResult:
     import dataclasses
 
-    from eaglekit.interop import vllm_capture as vc
-    from eaglekit.interop import vllm_engine as ve
-    from eaglekit.interop import vllm_regenerate as vr
+    from eaglekit.vllm import capture as vc
+    from eaglekit.vllm import engine as ve
+    from eaglekit.vllm import regenerate as vr
     from eaglekit.manifest import claim_output
     from eaglekit.target import extract as lib
     from eaglekit.target.capture import text_config
@@ -347,7 +347,7 @@ def _spool(config: Config, out: Path) -> Path:
     """This store's spool folder (emptied at the start and deleted at the end of each run)."""
     import hashlib
 
-    from eaglekit.interop.vllm_capture import SPOOL
+    from eaglekit.vllm.capture import SPOOL
 
     if not config.spool_dir:
         return out / SPOOL
@@ -360,8 +360,8 @@ def _capture(config: Config, engine: Any, options: Any, target_dir: str, layers:
     """The engine session: every record of `todo` stored through `writer` (closed on success, aborted otherwise)."""
     from tqdm import tqdm
 
-    from eaglekit.interop import vllm_capture as vc
-    from eaglekit.interop import vllm_regenerate as vr
+    from eaglekit.vllm import capture as vc
+    from eaglekit.vllm import regenerate as vr
 
     job = {"model": target_dir, "layer_ids": list(layers.ids), "max_in_flight": options.max_in_flight,
            "max_spool": options.max_spool,

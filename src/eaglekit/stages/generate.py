@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglekit.config import option, to_dict
-from eaglekit.decode_options import DecodeOptions
+from eaglekit.config.decode import DecodeOptions
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any
 
 from eaglekit.config import option, save_resolved
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.format_names import IMPORT_FORMATS
+from eaglekit.formats.names import IMPORT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +57,16 @@ def _target_layers(target: str, trust_remote_code: bool) -> tuple[int | None, st
 
 
 def run(config: Config) -> dict[str, Any]:
-    from eaglekit.draft.model import DrafterConfig
-    from eaglekit.interop.convert import import_checkpoint
+    from eaglekit.drafters.eagle3.model import DrafterConfig
+    from eaglekit.drafters.eagle3.convert import import_checkpoint
     from eaglekit.manifest import claim_output, write_errors, write_manifest
 
     if not config.source:
         raise EaglekitError("no source given: eaglekit import <checkpoint dir> output=<dir>")
     source = Path(config.source)
     output = Path(config.output or f"{source.as_posix().rstrip('/')}-eaglekit")
-    from eaglekit.interop.dflash_format import is_dflash_checkpoint
-    from eaglekit.interop.formats import read_config
+    from eaglekit.drafters.dflash.formats import is_dflash_checkpoint
+    from eaglekit.drafters.eagle3.formats import read_config
 
     if is_dflash_checkpoint(read_config(source)):
         return _run_dflash(config, source, output)
@@ -106,8 +106,8 @@ def run(config: Config) -> dict[str, Any]:
 def _run_dflash(config: Config, source: Path, output: Path) -> dict[str, Any]:
     """A DFlash drafter in vLLM's or speculators' layout (a published z-lab checkpoint: no lm_head, it drafts with
     the target's, which `target=` gives) -> eaglekit's DFlash format."""
-    from eaglekit.draft.dflash import DFlashConfig
-    from eaglekit.interop.dflash_format import import_dflash
+    from eaglekit.drafters.dflash.model import DFlashConfig
+    from eaglekit.drafters.dflash.formats import import_dflash
     from eaglekit.manifest import claim_output, write_errors, write_manifest
 
     if config.aux_layer_ids:
@@ -116,7 +116,7 @@ def _run_dflash(config: Config, source: Path, output: Path) -> dict[str, Any]:
     head = None
     layers, target_name, architecture = _target_layers(config.target, config.trust_remote_code)
     if config.target:
-        from eaglekit.draft.build import load_target_embeddings
+        from eaglekit.drafters.eagle3.build import load_target_embeddings
 
         head = load_target_embeddings(target_name, config.trust_remote_code)[1]
     drafter = import_dflash(source, lm_head=head)

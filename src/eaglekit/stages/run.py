@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
-from eaglekit.interop.format_names import EXPORT_FORMATS
+from eaglekit.formats.names import EXPORT_FORMATS
 from eaglekit.pipeline import Step, StepRecord, run_steps
 from eaglekit.stages import bench as _bench
 from eaglekit.stages import doctor as _doctor
@@ -145,7 +145,7 @@ def _check(config: Config) -> tuple[str, ...]:
 
 def _drafter_types(config: Config) -> tuple[str, ...]:
     """The drafter types this run trains, the run's own drafter first: `drafter_types`, else train.drafter_type."""
-    from eaglekit.train_config import DRAFTER_TYPES
+    from eaglekit.config.train import DRAFTER_TYPES
 
     kinds = config.drafter_types or (config.train.drafter_type,)
     unknown = [k for k in kinds if k not in DRAFTER_TYPES]

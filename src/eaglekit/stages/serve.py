@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglekit.config import option
-from eaglekit.decode_options import DecodeOptions
+from eaglekit.config.decode import DecodeOptions
 from eaglekit.errors import EaglekitError
 from eaglekit.target.backends import HFBackend
 from eaglekit.target.server import ChatServer, GenerationEngine

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from eaglekit.train_config import TrainConfig
+from eaglekit.config.train import TrainConfig
 
-Config = TrainConfig  # the options live with the library (eaglekit.train_config); the CLI builds them
+Config = TrainConfig  # the options live with the library (eaglekit.config.train); the CLI builds them
 
 
 def run(config: Config) -> dict[str, Any]:
-    from eaglekit.draft.train import train
-    from eaglekit.interop.convert import load_drafter  # init_from in any layout eaglekit reads
+    from eaglekit.training.loop import train
+    from eaglekit.drafters.eagle3.convert import load_drafter  # init_from in any layout eaglekit reads
 
     return train(config, read_drafter=load_drafter)

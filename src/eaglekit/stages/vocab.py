@@ -21,7 +21,7 @@ from eaglekit.manifest import file_sha256, write_manifest
 if TYPE_CHECKING:  # torch is imported by the functions that count, so `eaglekit vocab --help` stays fast
     import torch
 
-    from eaglekit.draft.vocab import VocabMapping
+    from eaglekit.drafters.vocab import VocabMapping
 
 log = logging.getLogger(__name__)
 POSITIONAL = ("data",)
@@ -33,7 +33,7 @@ class Config:
     shards: str = option("", "an `extract` output directory to count tokens in (instead of data)")
     target: str = option("", "target model (path, hub id or 'tiny'): its tokenizer and vocabulary size")
     output: str = option("", "output directory for vocab.safetensors")
-    # 32000 = eaglekit.draft.vocab.DEFAULT_SIZE, written out to keep torch out of `--help` (tests/test_cli.py checks)
+    # 32000 = eaglekit.drafters.vocab.DEFAULT_SIZE, written out to keep torch out of `--help` (tests/test_cli.py checks)
     size: int = option(32000, "draft vocabulary size N (the whole target vocabulary if smaller)")
     max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training)")
     chat_template: str = option("", "chat template (Jinja text or .jinja file) overriding the tokenizer's")
@@ -65,12 +65,12 @@ def target_vocab_size(config: Config) -> int:
 
 def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
     """Token counts (V,) from shards or conversations, and where they came from."""
-    from eaglekit.draft.vocab import count_tokens
+    from eaglekit.drafters.vocab import count_tokens
 
     if bool(config.shards) == bool(config.data):
         raise EaglekitError("give exactly one source: data=FILES (conversations) or shards=DIR (extract output)")
     if config.shards:
-        from eaglekit.draft.data import shard_tokens
+        from eaglekit.training.data import shard_tokens
         from eaglekit.target.store import HiddenStateDataset
 
         dataset = HiddenStateDataset(config.shards)
@@ -88,10 +88,10 @@ def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
 
 def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
     """The mapping to write: the init_from drafter's (kept) or the top-N of `counts` (built)."""
-    from eaglekit.draft.vocab import VocabMapping, mapping_from_drafter, select_vocab
+    from eaglekit.drafters.vocab import VocabMapping, mapping_from_drafter, select_vocab
 
     if config.init_from and not config.rebuild:
-        from eaglekit.draft.model import Eagle3Drafter
+        from eaglekit.drafters.eagle3.model import Eagle3Drafter
 
         mapping = mapping_from_drafter(Eagle3Drafter.from_pretrained(config.init_from))
         if mapping.vocab_size != counts.numel():
@@ -102,7 +102,7 @@ def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
 
 
 def run(config: Config) -> dict[str, Any]:
-    from eaglekit.draft.vocab import VOCAB_FILE, save_vocab
+    from eaglekit.drafters.vocab import VOCAB_FILE, save_vocab
 
     from eaglekit.manifest import claim_output
 

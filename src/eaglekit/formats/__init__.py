@@ -1,0 +1,1 @@
+"""Checkpoint layouts: the names of the layouts eaglekit exports and imports (`names`)."""
