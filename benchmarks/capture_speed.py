@@ -51,8 +51,8 @@ def prefill_run(args: argparse.Namespace, store: Path, work: Path) -> dict:
     """vLLM alone on the store's token ids: one generate call, one new token per request, nothing captured."""
     from eaglekit.vllm import capture as vc
     from eaglekit.vllm import engine as ve
-    from eaglekit.target.loading import local_model_dir
-    from eaglekit.target.store import HiddenStateDataset
+    from eaglekit.targets.loading import local_model_dir
+    from eaglekit.targets.store import HiddenStateDataset
 
     store_records = HiddenStateDataset(store)
     prompts = [store_records[i]["input_ids"].tolist() for i in range(len(store_records))]

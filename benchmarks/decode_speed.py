@@ -84,7 +84,7 @@ def random_drafter(model, device: torch.device, dtype: torch.dtype, **fields) ->
     """A random-weight EAGLE-3 drafter of the target's width (what a step costs does not depend on its weights);
     `fields`: `DrafterConfig` fields changed (e.g. drafter_arch="mla" and its dimensions)."""
     from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-    from eaglekit.target.capture import default_aux_layers
+    from eaglekit.targets.capture import default_aux_layers
 
     c = model.config
     config = DrafterConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,

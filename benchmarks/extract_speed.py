@@ -5,7 +5,7 @@
     python benchmarks/extract_speed.py --batch-size 4 --seq-len 4096 --shard-dir /local/nvme/tmp
 
 "bare" is `forward_target` (the call extract makes: no KV cache, logits for the last position only)
-on device-resident ids. "extract" is the real extract loop (`eaglekit.target.extract.extract_batches`:
+on device-resident ids. "extract" is the real extract loop (`eaglekit.targets.extract.extract_batches`:
 padding/index build, hooks, hook-count and shape checks, padding strip, dtype conversion or float8
 quantisation, async copy on a copy stream into pinned shard buffers, background sha256 + atomic shard
 writes on extract's default writer threads, buffers and shard size unless given) timed
@@ -66,7 +66,7 @@ def build_llama(shape: str, device: torch.device, dtype: torch.dtype) -> torch.n
 
 
 def load_tiny(device: torch.device, dtype: torch.dtype) -> torch.nn.Module | None:
-    from eaglekit.target.loading import load_target, tiny_target_path
+    from eaglekit.targets.loading import load_target, tiny_target_path
 
     if not (tiny_target_path() / "config.json").is_file():
         return None
@@ -80,7 +80,7 @@ def _sync(device: torch.device) -> None:
 
 def time_bare(model: torch.nn.Module, ids: list[torch.Tensor], device: torch.device) -> float:
     """Seconds for one forward per batch in `ids` ((B, T) each, already on `device`)."""
-    from eaglekit.target.capture import forward_target
+    from eaglekit.targets.capture import forward_target
 
     masks = [torch.ones_like(x) for x in ids]
     _sync(device)
@@ -94,10 +94,10 @@ def time_bare(model: torch.nn.Module, ids: list[torch.Tensor], device: torch.dev
 
 def time_extract(model, ids: list[torch.Tensor], dtype: str, shard_dir: Path, args) -> dict:
     """Seconds, bytes and writer wait for the real extract loop over the same batches, flushed to disk."""
-    from eaglekit.target.extract import Record, extract_batches
-    from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, find_decoder, text_config
-    from eaglekit.target.shard_writer import ShardWriter
-    from eaglekit.target.store import StoreLayout
+    from eaglekit.targets.extract import Record, extract_batches
+    from eaglekit.targets.capture import HiddenStateCapture, default_aux_layers, find_decoder, text_config
+    from eaglekit.targets.shard_writer import ShardWriter
+    from eaglekit.targets.store import StoreLayout
 
     device = ids[0].device
     batches = [[Record(f"b{b}r{r}", row.cpu(), torch.ones(len(row), dtype=torch.uint8)) for r, row in enumerate(x)]
@@ -175,8 +175,8 @@ def storage_error(device: torch.device, limit: int, shard_dir: str | None) -> di
     the target's soft labels (softmax of lm_head(final)) move from fp32."""
     from eaglekit.config import load_config
     from eaglekit.stages import extract
-    from eaglekit.target.loading import load_target, tiny_target_path
-    from eaglekit.target.store import HiddenStateDataset
+    from eaglekit.targets.loading import load_target, tiny_target_path
+    from eaglekit.targets.store import HiddenStateDataset
 
     prompts = tiny_target_path().parent / "tiny_prompts.jsonl"
     if not (tiny_target_path() / "config.json").is_file() or not prompts.is_file():
@@ -230,7 +230,7 @@ def markdown(rows: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from eaglekit.stages.extract import Config
-    from eaglekit.target.shard_writer import writer_parallelism
+    from eaglekit.targets.shard_writer import writer_parallelism
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
@@ -260,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     from eaglekit.manifest import environment
-    from eaglekit.target.shard_writer import cores_per_process
+    from eaglekit.targets.shard_writer import cores_per_process
 
     args = parse_args(argv)
     if args.shard_dir:
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     if args.target:  # a trained model directory (the reference benchmark's target) instead of the random shape
-        from eaglekit.target.loading import load_target
+        from eaglekit.targets.loading import load_target
 
         rows = bench_target(args.target, load_target(args.target, device=device, dtype=dtype), device, args)
     else:

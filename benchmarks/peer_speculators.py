@@ -133,8 +133,8 @@ def peer_side(args: Any, trainer: Any, work: Path, eaglekit_tps: float, report: 
     it trains), and record the data, the commands, both settings and their `differences` in `report` -> the
     peer's side (its `error` if it failed)."""
     from eaglekit.training.loop import _amp_dtype
-    from eaglekit.target.capture import text_config
-    from eaglekit.target.loading import load_target_config
+    from eaglekit.targets.capture import text_config
+    from eaglekit.targets.loading import load_target_config
 
     c = trainer.config
     amp = _amp_dtype(c.dtype, torch.device(args.device))

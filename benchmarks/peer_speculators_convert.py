@@ -15,8 +15,8 @@ LABEL_CHECK_TOKENS = 2048  # validation tokens on which eaglekit's and the peer'
 
 def final_norm_weight(target: str) -> torch.Tensor:
     """The target's final RMSNorm weight, read from its checkpoint (what speculators loads as verifier_norm)."""
-    from eaglekit.drafters.eagle3.build import _checkpoint_tensors
-    from eaglekit.target.loading import resolve_target
+    from eaglekit.training.target_weights import _checkpoint_tensors
+    from eaglekit.targets.loading import resolve_target
 
     found = _checkpoint_tensors(Path(resolve_target(target)), ["model.norm.weight"])
     if not found:
@@ -69,7 +69,7 @@ def label_check(trainer: Any, data: Path, n_train: int, norm_weight: torch.Tenso
     """Soft labels eaglekit trains on vs the ones speculators rebuilds from the converted files (validation tokens)."""
     from safetensors.torch import load_file
 
-    from eaglekit.drafters.eagle3.ttt import soft_labels_from_hidden
+    from eaglekit.training.objective import soft_labels_from_hidden
 
     source, theirs, ours, scales, file_idx = trainer.source, [], [], [], n_train
     while sum(len(x) for x in ours) < LABEL_CHECK_TOKENS and (data / "hidden_states" / f"hs_{file_idx}.safetensors").is_file():

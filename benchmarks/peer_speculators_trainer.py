@@ -107,7 +107,7 @@ def plan_peer(python: str, lengths: list[int], steps: int, tokens_per_step: floa
 def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str, Any], conv: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """`speculators train` with eaglekit's settings; also the settings as a dict for the report."""
     from eaglekit.training.loop import _amp_dtype
-    from eaglekit.target.loading import resolve_target
+    from eaglekit.targets.loading import resolve_target
 
     c, drafter = trainer.config, trainer.drafter.config
     cuda = args.device.startswith("cuda")

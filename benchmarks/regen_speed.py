@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                             else "runs/benchmarks/regen_speed.json")
 
     from eaglekit.manifest import atomic_write_json, environment
-    from eaglekit.target.backends import HFBackend
+    from eaglekit.generation.backends import HFBackend
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

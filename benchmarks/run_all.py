@@ -177,26 +177,28 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
     from eaglekit.stages import train as train_stage
     from eaglekit.stages.run import Config, plan
 
-    from eaglekit.decode.methods import METHODS_OF_TYPE
+    from eaglekit import registry
 
     run = work / "run"
     steps = {s.name: s for s in plan(load_config(Config, run / "run.yaml", {"out": str(run),
                                                                                "stages": ["regen", "extract", "vocab", "train", "bench"]}))}
     options = parse_overrides(variant.split(","))
-    kind = str(options.get("drafter_type", "eagle3"))  # another drafter type: its own folder and JSON, its methods
-    if kind == "p-eagle":  # P-EAGLE's usual recipe: from the run's own EAGLE-3 drafter (its weights and vocabulary)
-        options.setdefault("init_from", str(run / "train"))
-    variant_dir, name = (work / "variant", "variant.json") if kind == "eagle3" else (work / f"variant-{kind}", f"variant_{kind}.json")
     train_config = steps["train"].make_config()  # validated like a command line: an unknown option is one error
+    own = train_config.drafter_type  # the run's drafter type
+    kind = registry.get(str(options.get("drafter_type", own)))  # another type: its own folder and JSON, its methods
+    if kind.starts_from == own:  # its usual recipe (P-EAGLE): from the run's own drafter (weights and vocabulary)
+        options.setdefault("init_from", str(run / "train"))
+    variant_dir, name = ((work / "variant", "variant.json") if kind.name == own
+                         else (work / f"variant-{kind.name}", f"variant_{kind.name}.json"))
     train_config = load_config(type(train_config), None, {**to_dict(train_config), **options, "output": str(variant_dir / "train")})
     log(f"training the variant drafter ({variant})")
     trained = train_stage.run(train_config)
     bench_config = steps["bench"].make_config()
-    allowed = METHODS_OF_TYPE[kind]
+    allowed = kind.methods
     methods = tuple(m for m in (bench_methods.split(",") if bench_methods else bench_config.methods) if m in allowed) or allowed
-    if kind == "p-eagle" and not bench_methods:  # its parallel chain beside the EAGLE-3 chain and tree it also drafts
-        methods = ("parallel", *(m for m in methods if m != "parallel"))
-    chain = {"chain_length": int(options.get("block_size", 16)) - 1} if kind == "dflash" else {}  # the whole block
+    if not bench_methods:  # the type's own method first, beside the others it also drafts (P-EAGLE: chain, tree)
+        methods = (allowed[0], *(m for m in methods if m != allowed[0]))
+    chain = kind.bench_options(train_config)  # DFlash: the whole block
     bench_config = load_config(type(bench_config), None, {
         **to_dict(bench_config), "drafter": str(variant_dir / "train"), "output": str(variant_dir / "bench"),
         "methods": list(methods), **chain, **({"repeats": bench_repeats} if bench_repeats else {}),

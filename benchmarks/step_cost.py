@@ -51,11 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import SHAPE_8B, SHAPE_REFERENCE, SHAPE_SMOKE, build_model, copy_bandwidth, random_drafter  # noqa: E402
 from eaglekit.decode import Decoder, graphs  # noqa: E402
 from eaglekit.decode.engine import DecodeOptions, decode_loop, draft_size  # noqa: E402
-from eaglekit.decode.methods import speculative_method  # noqa: E402
+from eaglekit.registry import speculative_method  # noqa: E402
 from eaglekit.config.decode import CHAIN_METHODS  # noqa: E402
 from eaglekit.decode.fused import tree_mask  # noqa: E402
-from eaglekit.decode.parallel import parallel_logits  # noqa: E402
-from eaglekit.decode.static import StaticDrafter, StaticTarget  # noqa: E402
+from eaglekit.drafters.p_eagle.decode import parallel_logits  # noqa: E402
+from eaglekit.decode.static import StaticTarget  # noqa: E402
+from eaglekit.drafters.eagle3.static import StaticDrafter  # noqa: E402
 from eaglekit.decode.tree import chain_from_logits  # noqa: E402
 from eaglekit.decode.verify import greedy_path  # noqa: E402
 from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
@@ -268,7 +269,7 @@ def dflash_figures(model, prompt: list[int], new_tokens: int, compile_: bool, re
                    layers: int, lengths: tuple[int, ...]) -> dict:
     """Fused steps with a DFlash drafter (static context buffers) at each chain length k, and the drafting part
     alone: one block of k + 1 queries over the context, compiled like the step."""
-    from eaglekit.decode.dflash_static import StaticDFlashDrafter
+    from eaglekit.drafters.dflash.static import StaticDFlashDrafter
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     drafter = random_dflash(model, device, dtype, layers, block_size=max(lengths) + 1)

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.target:
         from eaglekit.data import prompt_messages, read_conversations
         from eaglekit.decode.setup import load_drafter, prompt_ids
-        from eaglekit.target.loading import load_target, load_tokenizer
+        from eaglekit.targets.loading import load_target, load_tokenizer
 
         model = load_target(args.target, device, dtype)
         drafter = load_drafter(args.drafter, model, device, dtype)

@@ -82,8 +82,10 @@ def build(config: Any, device: torch.device) -> Any:
 
 def make_step(drafter: Any, steps: int, attention: str, compile_model: bool, device: torch.device, amp: torch.dtype | None):
     """A closure doing one offline-style optimizer step on (aux, final, ids, lm_head)."""
-    from eaglekit.training.loop import TTTModule, _autocast
-    from eaglekit.drafters.eagle3.ttt import soft_labels_from_hidden, step_masks
+    from eaglekit.drafters.eagle3.ttt import TTTModule
+    from eaglekit.training.loop import _autocast
+    from eaglekit.drafters.eagle3.ttt import step_masks
+    from eaglekit.training.objective import soft_labels_from_hidden
 
     module: Any = TTTModule(drafter, steps, 0.8, attention)
     if compile_model:
@@ -167,7 +169,7 @@ def online_case(args: Any, device: torch.device, mode: str, attention: str) -> d
     """Drafter step + frozen random target forward (hooks) per batch; target has --online-layers layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglekit.target.capture import HiddenStateCapture
+    from eaglekit.targets.capture import HiddenStateCapture
 
     config = drafter_config(args.shape)
     amp = torch.bfloat16 if device.type == "cuda" else None

@@ -26,7 +26,6 @@ import os
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from eaglekit.config import describe, load_config, option, to_dict  # noqa: E402
+from eaglekit.config import describe, load_config, to_dict  # noqa: E402
 from eaglekit.errors import EaglekitError  # noqa: E402
 from eaglekit.manifest import atomic_directory, atomic_write_text, environment  # noqa: E402
 
@@ -45,37 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules,
 from tiny_target_data import (  # noqa: E402,F401  (split_of, file_pieces, render, token_stream: for the tests)
     cached_stream, file_pieces, prompt_records, render, split_of, stdlib_files, token_stream, train_tokenizer,
     training_documents)
+from tiny_target_config import BuildConfig  # noqa: E402
 from tiny_target_training import build_model, evaluate, repeated_ngram_fraction, train  # noqa: E402,F401
-
-
-@dataclass(frozen=True)
-class BuildConfig:
-    output: str = option("src/eaglekit/assets", "directory that receives tiny_target/ and tiny_prompts*.jsonl")
-    minutes: float = option(5.5, "wall-clock training budget in minutes")
-    steps: int = option(0, "train exactly this many optimiser steps instead (reproducible on a busy machine); 0 = use minutes")
-    seed: int = option(0, "seed for data order, initialisation and prompt selection")
-    threads: int = option(2, "torch CPU threads")
-    vocab_size: int = option(4096, "BPE vocabulary size (special tokens included)")
-    hidden_size: int = option(128, "model width")
-    num_layers: int = option(8, "decoder layers (8 gives EAGLE-3 aux layers 2, 4, 5)")
-    num_heads: int = option(4, "attention heads")
-    num_kv_heads: int = option(2, "key/value heads (grouped-query attention)")
-    intermediate_size: int = option(384, "MLP width")
-    max_positions: int = option(1024, "max_position_embeddings")
-    seq_len: int = option(256, "training window in tokens")
-    batch_size: int = option(4, "windows per optimiser step")
-    lr: float = option(4e-3, "peak AdamW learning rate (cosine decay over the wall budget)")
-    warmup_steps: int = option(20, "linear warm-up steps")
-    num_prompts: int = option(200, "records in tiny_prompts.jsonl")
-    num_eval: int = option(30, "records in tiny_prompts_eval.jsonl")
-    dtype: str = option("bfloat16", "dtype of the saved weights", choices=("bfloat16", "float32"))
-    device: str = option("cpu", "training device: cpu, cuda or auto (CUDA trains under bf16 autocast)")
-    compile: bool = option(False, "torch.compile the training step (worth it on a GPU)")
-    corpus: str = option("stdlib", "training text: the stdlib alone, or the stdlib plus installed site-packages",
-                         choices=("stdlib", "stdlib+site-packages"))
-    corpus_mb: float = option(0.0, "cap on the corpus size in MB, files taken in a fixed hashed order (0 = no cap)")
-    name: str = option("tiny_target", "name of the model directory written under output")
-    tokenizer: str = option("", "reuse this model directory's tokenizer instead of training one (a draft LM for a target)")
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -8,15 +8,13 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from tiny_target_config import BuildConfig
 from tiny_target_data import ENDOFTEXT, IM_END, token_stream
-
-if TYPE_CHECKING:
-    from build_tiny_target import BuildConfig
 
 # ----------------------------------------------------------------------------------------------- model
 def build_model(config: BuildConfig, tokenizer: Any) -> Any:

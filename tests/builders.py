@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-from eaglekit.target.capture import default_aux_layers
+from eaglekit.targets.capture import default_aux_layers
 
 VOCAB = 96
 
@@ -124,3 +124,26 @@ def sampled_against_plain(decoder, prompts, method: str, samples: int) -> tuple[
         speculative.append(result.tokens[:3])
         accepted += sum(result.stats.accepted)
     return plain, speculative, accepted
+
+
+def killed_and_resumed(options, directory: Path, kill_at: int = 3, after_kill=None) -> tuple[dict, dict]:
+    """Train `options(directory / "a")` to the end, then `options(directory / "b")` killed at optimizer step
+    `kill_at` and run again with `options(..., resume=True)` (`after_kill()` runs in between) -> the final tensors of
+    the uninterrupted and of the resumed run, {name: tensor} each."""
+    import pytest
+    from safetensors.torch import load_file
+
+    from eaglekit.training.loop import train
+
+    train(options(directory / "a"))
+
+    def crash(step: int, trainer) -> None:
+        if step == kill_at:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(options(directory / "b"), step_callback=crash)
+    if after_kill is not None:
+        after_kill()
+    train(options(directory / "b", resume=True))
+    return load_file(str(directory / "a/model.safetensors")), load_file(str(directory / "b/model.safetensors"))

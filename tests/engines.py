@@ -89,7 +89,7 @@ TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_templat
 def _with_tiny_tokenizer(directory: Path) -> None:
     import shutil
 
-    from eaglekit.target.loading import tiny_target_path
+    from eaglekit.targets.loading import tiny_target_path
 
     for name in TINY_TOKENIZER_FILES:
         if (tiny_target_path() / name).is_file():

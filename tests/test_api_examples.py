@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import eaglekit
-from eaglekit.target.loading import tiny_target_path
+from eaglekit.targets.loading import tiny_target_path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -1,4 +1,5 @@
-"""The import structure of `src/eaglekit`: no cycle between modules, none between its top-level packages.
+"""The import structure of `src/eaglekit`: no cycle between modules, none between its top-level packages, and no
+import against the direction that docs/CONTRACTS.md's map documents (a package imports only packages below it).
 
 Every `import` statement counts, wherever it is (module level, inside a function, under `TYPE_CHECKING`): a
 function-level import that closes a cycle is a cycle that a later refactor turns into an import error.
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
+CONTRACTS = Path(__file__).resolve().parents[1] / "docs" / "CONTRACTS.md"
 ROOT = "eaglekit"
 
 
@@ -170,3 +173,38 @@ def test_no_import_cycle_between_packages():
     found = cycles(package_graph(module_graph()))
     print(_format(found))
     assert not found, f"import cycles between the packages of eaglekit:\n{_format(found)}"
+
+
+def documented_layers(text: str) -> dict[str, int]:
+    """Package -> rank from the map block of docs/CONTRACTS.md (the ```text block under "## Map"): the last line is
+    rank 0; the packages of one line are separated by commas, their description follows two or more spaces."""
+    block = re.search(r"## Map\n.*?```text\n(.*?)```", text, re.S)
+    assert block, "docs/CONTRACTS.md lost its map block"
+    lines = [line for line in block.group(1).splitlines() if line.strip()]
+    ranks = {}
+    for rank, line in enumerate(reversed(lines)):
+        names = re.split(r"\s{2,}", line.strip())[0]
+        ranks.update({name.strip(): rank for name in names.split(",")})
+    return ranks
+
+
+def against_the_direction(packages: dict[str, set[str]], ranks: dict[str, int]) -> list[str]:
+    """Imports from a package to one on its own line or above it in the map."""
+    return sorted(f"{source} -> {target}" for source, targets in packages.items() for target in targets
+                  if ranks[target] >= ranks[source])
+
+
+def test_the_direction_checker_reports_upward_and_sideways_imports():
+    ranks = documented_layers("## Map\nx\n```text\ntop      t\na, b     ab\nlow      l\n```\n")
+    assert ranks == {"top": 2, "a": 1, "b": 1, "low": 0}
+    assert against_the_direction({"top": {"a", "low"}, "a": {"low", "b"}, "low": {"top"}}, ranks) == [
+        "a -> b", "low -> top"]
+
+
+def test_every_package_is_on_the_map_and_imports_only_below_itself():
+    packages = package_graph(module_graph())
+    ranks = documented_layers(CONTRACTS.read_text(encoding="utf-8"))
+    missing = sorted(set(packages) - set(ranks))
+    assert not missing, f"packages missing from docs/CONTRACTS.md's map: {missing}"
+    wrong = against_the_direction(packages, ranks)
+    assert not wrong, "imports against the direction of docs/CONTRACTS.md's map:\n" + "\n".join(wrong)

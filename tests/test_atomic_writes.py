@@ -48,7 +48,7 @@ def test_every_config_hash_is_the_one_helper():
     from dataclasses import dataclass
 
     from eaglekit.pipeline import step_key
-    from eaglekit.target.identity import target_config_hash
+    from eaglekit.targets.identity import target_config_hash
 
     @dataclass(frozen=True)
     class Options:

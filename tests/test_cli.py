@@ -74,10 +74,10 @@ def test_stage_literals_match_the_library():
     """Stage configs spell out a few library constants so that `--help` needs no torch; they must agree."""
     from dataclasses import fields
 
-    from eaglekit.drafters.eagle3.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
-    from eaglekit.drafters.vocab import DEFAULT_SIZE
+    from eaglekit.layers import INPUT_OF_LAYER, OUTPUT_OF_LAYER
+    from eaglekit.training.vocab import DEFAULT_SIZE
     from eaglekit.stages import extract, vocab
-    from eaglekit.target.store import STORAGE_DTYPES
+    from eaglekit.targets.store import STORAGE_DTYPES
 
     choices = {f.name: f.metadata["choices"] for f in fields(extract.Config)}
     assert choices["dtype"] == tuple(STORAGE_DTYPES)

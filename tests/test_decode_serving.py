@@ -11,7 +11,7 @@ import torch
 
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.stages import serve
-from eaglekit.target.backends import HFBackend
+from eaglekit.generation.backends import HFBackend
 
 MESSAGES = [{"role": "user", "content": "what is two plus two"}]
 

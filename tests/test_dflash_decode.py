@@ -8,8 +8,8 @@ import torch
 
 from builders import VOCAB, sampled_against_plain, tiny_target
 from eaglekit.decode import Decoder
-from eaglekit.decode.dflash import DFlashDrafterBackend
-from eaglekit.decode.dflash_static import StaticDFlashDrafter
+from eaglekit.drafters.dflash.decode import DFlashDrafterBackend
+from eaglekit.drafters.dflash.static import StaticDFlashDrafter
 from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
 from eaglekit.errors import EaglekitError
 from eaglekit.vllm.distribution import compare

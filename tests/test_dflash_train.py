@@ -17,7 +17,7 @@ from eaglekit.drafters.dflash.train import (
     naive_block_forward,
     sample_anchors,
 )
-from eaglekit.drafters.eagle3.ttt import soft_labels
+from eaglekit.training.objective import soft_labels
 
 
 def tiny_dflash(seed: int = 0, vocab: int = 40, draft_vocab: int = 24, block_size: int = 4,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from builders import write_random_chats
+from builders import killed_and_resumed, write_random_chats
 
 from eaglekit.config import load_config
-from eaglekit.drafters.eagle3.build import load_saved_drafter
+from eaglekit.formats.saved import load_saved_drafter
 from eaglekit.drafters.dflash.model import DFlashDrafter
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import train as stage
@@ -47,7 +47,7 @@ def test_online_training_writes_a_loadable_dflash_drafter(chat_target, data_file
     assert manifest["aux_layer_ids"] == [2]  # what the store must hold: input-of-layer id = output id + 1
     val = [m for m in metrics(out) if m["split"] == "val"][-1]
     assert len(val["acc_k"]) == 3  # block_size - 1 drafted positions
-    from eaglekit.target.loading import load_target
+    from eaglekit.targets.loading import load_target
 
     target = load_target(chat_target)
     assert torch.equal(drafter.embed_tokens.weight, target.get_input_embeddings().weight)
@@ -55,19 +55,8 @@ def test_online_training_writes_a_loadable_dflash_drafter(chat_target, data_file
 
 
 def test_killed_and_resumed_dflash_run_matches_an_uninterrupted_one(chat_target, data_file, tmp_path):
-    from eaglekit.training.loop import train
-
     common = {"epochs": 2, "save_every": 2, "batch_size": 2, "log_every": 1}
-    train(options(chat_target, data_file, tmp_path / "a", **common))
-
-    def crash(step: int, trainer) -> None:
-        if step == 3:
-            raise RuntimeError("killed")
-
-    with pytest.raises(RuntimeError, match="killed"):
-        train(options(chat_target, data_file, tmp_path / "b", **common), step_callback=crash)
-    train(options(chat_target, data_file, tmp_path / "b", resume=True, **common))
-    a, b = load_file(str(tmp_path / "a/model.safetensors")), load_file(str(tmp_path / "b/model.safetensors"))
+    a, b = killed_and_resumed(lambda out, **more: options(chat_target, data_file, out, **common, **more), tmp_path)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key

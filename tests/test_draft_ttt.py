@@ -8,17 +8,14 @@ import torch
 from builders import both_ttt_paths
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
 from eaglekit.drafters.eagle3.ttt import (
-    expected_acceptance,
     naive_ttt_forward,
     reference_step,
     shift_left,
-    soft_labels,
-    soft_labels_from_hidden,
     step_masks,
-    step_weights,
     ttt_attention_mask,
     ttt_forward,
 )
+from eaglekit.training.objective import expected_acceptance, soft_labels, soft_labels_from_hidden, step_weights
 
 
 def tiny_drafter(seed: int = 0, vocab: int = 40, draft_vocab: int = 24, kv_heads: int = 2) -> Eagle3Drafter:
@@ -135,7 +132,7 @@ def test_flex_attention_matches_sdpa() -> None:
 
 def test_compiled_ttt_module_matches_naive() -> None:
     """The torch.compile path (`compile=true`; aot_eager here: inductor on CPU takes ~90 s, checked by hand)."""
-    from eaglekit.training.loop import TTTModule
+    from eaglekit.drafters.eagle3.ttt import TTTModule
 
     drafter = tiny_drafter()
     aux, ids, loss_mask, probs, in_vocab, _ = batch(drafter)
@@ -154,7 +151,8 @@ def test_compiled_ttt_module_matches_naive() -> None:
 def test_init_from_reads_other_formats_through_interop(tmp_path) -> None:
     """`train init_from=` accepts a vLLM/SGLang/speculators layout via eaglekit.doctor (same weights back)."""
     pytest.importorskip("eaglekit.drafters.eagle3.convert")
-    from eaglekit.drafters.eagle3.convert import export_drafter, load_drafter
+    from eaglekit.drafters.eagle3.convert import export_drafter
+    from eaglekit.formats.saved import load_drafter
 
     drafter = tiny_drafter()
     export_drafter(drafter, tmp_path / "vllm", "vllm")

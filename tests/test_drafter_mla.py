@@ -10,7 +10,8 @@ import torch
 
 from eaglekit.drafters.eagle3 import mla
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-from eaglekit.drafters.eagle3.ttt import soft_labels, ttt_forward
+from eaglekit.drafters.eagle3.ttt import ttt_forward
+from eaglekit.training.objective import soft_labels
 from eaglekit.errors import EaglekitError
 
 H, HEADS, VOCAB = 32, 4, 96
@@ -240,7 +241,7 @@ def tiny_deepseek_target(directory) -> str:
 
     import transformers as tf
 
-    from eaglekit.target.loading import tiny_target_path
+    from eaglekit.targets.loading import tiny_target_path
 
     torch.manual_seed(0)
     config = tf.DeepseekV3Config(vocab_size=4096, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -10,9 +10,10 @@ import torch
 from builders import VOCAB, both_ttt_paths, tiny_target
 from eaglekit.decode import generate
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-from eaglekit.drafters.eagle3.ttt import naive_ttt_forward, reference_fuse, reference_step, soft_labels
+from eaglekit.drafters.eagle3.ttt import naive_ttt_forward, reference_fuse, reference_step
+from eaglekit.training.objective import soft_labels
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import default_aux_layers
+from eaglekit.targets.capture import default_aux_layers
 
 VARIANTS = {
     "norm_before_fc": {"norm_before_fc": True},
@@ -153,7 +154,7 @@ def test_decode_static_equals_eager_per_variant(name, llama):
 
 def test_static_drafter_step_follows_norm_output(llama):
     """The static drafter step hands the next step the same hidden state as `Eagle3Drafter.forward`."""
-    from eaglekit.decode.static import StaticDrafter
+    from eaglekit.drafters.eagle3.static import StaticDrafter
 
     target, _ = llama
     for flags in ({}, {"norm_output": True}):

@@ -19,12 +19,12 @@ from eaglekit.data import read_conversations, tokenize_conversation
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import file_sha256
 from eaglekit.stages import extract
-from eaglekit.target import shard_writer
-from eaglekit.target.capture import HiddenStateCapture, forward_target
-from eaglekit.target.identity import target_config_hash, tokenizer_hash
-from eaglekit.target.inspection import format_target_report, target_report
-from eaglekit.target.loading import load_target
-from eaglekit.target.store import HiddenStateDataset, dequantize_rows, quantize_rows
+from eaglekit.targets import shard_writer
+from eaglekit.targets.capture import HiddenStateCapture, forward_target
+from eaglekit.targets.identity import target_config_hash, tokenizer_hash
+from eaglekit.targets.inspection import format_target_report, target_report
+from eaglekit.targets.loading import load_target
+from eaglekit.targets.store import HiddenStateDataset, dequantize_rows, quantize_rows
 from test_data_support import build_chat_tokenizer, template_text
 
 LAYERS, HIDDEN = 6, 32
@@ -286,7 +286,7 @@ def test_target_report(target_dir):
 
 
 def test_split_and_merge_across_ranks(tmp_path):
-    from eaglekit.target.store import fsync_append, log_name, merge_shard_logs, split_for_rank
+    from eaglekit.targets.store import fsync_append, log_name, merge_shard_logs, split_for_rank
 
     batches = list(range(11))
     shares = [split_for_rank(batches, rank, 3) for rank in range(3)]
@@ -330,7 +330,7 @@ def test_torchrun_two_ranks_gloo(target_dir, data_file, fp32_store, tmp_path):
 def test_reader_checks_each_shard_once_and_pickles(fp32_store, monkeypatch):
     import pickle
 
-    from eaglekit.target import store
+    from eaglekit.targets import store
 
     dataset = HiddenStateDataset(fp32_store[0])
     hashed = []

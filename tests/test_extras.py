@@ -51,7 +51,7 @@ def test_a_dataset_without_datasets_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_device_map_without_accelerate_names_the_extra_before_loading(monkeypatch):
-    from eaglekit.target.loading import load_target
+    from eaglekit.targets.loading import load_target
 
     missing(monkeypatch, "accelerate")
     with pytest.raises(EaglekitError, match=r"device_map=auto needs the `accelerate`.*'eaglekit\[multi-gpu\]'"):

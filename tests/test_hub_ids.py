@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eaglekit.target.loading import is_hub_id, looks_local
+from eaglekit.targets.loading import is_hub_id, looks_local
 
 
 @pytest.mark.parametrize("name, hub_id", [

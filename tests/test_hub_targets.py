@@ -12,8 +12,8 @@ import pytest
 from huggingface_hub import constants, set_client_factory
 
 from eaglekit.errors import EaglekitError
-from eaglekit.target import loading
-from eaglekit.target.loading import locate_target, tiny_target_path
+from eaglekit.targets import loading
+from eaglekit.targets.loading import locate_target, tiny_target_path
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_the_cli_prints_that_line_alone(hub, tmp_path, monkeypatch, capsys, capl
 def test_the_targets_embeddings_and_an_imports_target_go_through_the_same_check(hub, tmp_path):
     """Offline training reads the target's embedding and lm_head, and import reads its config: a cached hub id with
     no network is read from the cache after one request; one that is not cached is the one error line."""
-    from eaglekit.drafters.eagle3.build import load_target_embeddings
+    from eaglekit.training.target_weights import load_target_embeddings
     from eaglekit.stages.import_ import _target_layers
 
     snapshot = _cache("org/cached", tmp_path / "hub")

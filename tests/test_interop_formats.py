@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglekit.config import load_config
-from eaglekit.drafters.eagle3.model import OUTPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
+from eaglekit.layers import OUTPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
 from eaglekit.drafters.eagle3 import convert, formats
 from eaglekit.drafters.eagle3.convert import compare_drafters, export_drafter, import_checkpoint

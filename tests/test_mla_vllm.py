@@ -103,7 +103,7 @@ def vllm_acceptance(target: str, drafter: str, workdir: Path) -> dict:
     from eaglekit.decode.setup import prompt_ids
     from eaglekit.vllm import engine as ve
     from eaglekit.vllm.bench import export_for_vllm, model_length
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     tokenizer = load_tokenizer(target)
     prompts = [prompt_ids(tokenizer, prompt_messages(c))

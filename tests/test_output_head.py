@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from eaglekit.drafters.eagle3.ttt import soft_labels_from_hidden
-from eaglekit.target.output_head import LogitTransform, logit_transform
+from eaglekit.training.objective import soft_labels_from_hidden
+from eaglekit.targets.output_head import LogitTransform, logit_transform
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -46,7 +46,7 @@ def test_llama_needs_no_transform():
 
 
 def test_an_lm_head_bias_is_read_from_the_checkpoint_and_added(tmp_path):
-    from eaglekit.drafters.eagle3.build import load_target_head_bias
+    from eaglekit.training.target_weights import load_target_head_bias
 
     torch.manual_seed(0)
     model = transformers.PhiForCausalLM(transformers.PhiConfig(**SMALL)).eval()

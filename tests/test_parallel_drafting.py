@@ -10,9 +10,9 @@ import torch
 
 from builders import VOCAB, OracleDrafter, random_drafter, sampled_against_plain, tiny_target
 from eaglekit.decode import Decoder
-from eaglekit.decode.backends import EagerDrafter
-from eaglekit.decode.parallel import parallel_logits
-from eaglekit.drafters.eagle3.build import load_saved_drafter, saved_drafter_type
+from eaglekit.drafters.eagle3.decode import EagerDrafter
+from eaglekit.drafters.p_eagle.decode import parallel_logits
+from eaglekit.formats.saved import load_saved_drafter, saved_drafter_type
 from eaglekit.drafters.p_eagle.train import anchor_logits, naive_parallel_forward, parallel_forward, to_parallel
 from eaglekit.errors import EaglekitError
 from eaglekit.vllm.distribution import compare
@@ -118,7 +118,7 @@ def test_static_parallel_steps_equal_eager_ones() -> None:
 
 def test_mask_slots_drafted_with_the_extend_equal_a_draft_step_after_it() -> None:
     from eaglekit.decode.graphs import GraphSteps
-    from eaglekit.decode.static import StaticDrafter
+    from eaglekit.drafters.eagle3.static import StaticDrafter
 
     target = tiny_target("llama")
     drafter = p_eagle(target)

@@ -16,7 +16,7 @@ import pytest
 
 import engines
 from eaglekit.config import load_config
-from eaglekit.drafters.eagle3.build import saved_drafter_type
+from eaglekit.formats.saved import saved_drafter_type
 from eaglekit.vllm import engine as ve
 from eaglekit.vllm.bench import export_for_vllm, model_length
 from eaglekit.stages import bench

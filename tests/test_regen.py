@@ -11,8 +11,8 @@ import pytest
 
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import regen, serve
-from eaglekit.target.regen import Progress, plan_turns, scan_finished
-from eaglekit.target.backends import HFBackend, OpenAIBackend, SamplingParams
+from eaglekit.generation.regen import Progress, plan_turns, scan_finished
+from eaglekit.generation.backends import HFBackend, OpenAIBackend, SamplingParams
 
 RECORDS = [
     {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},

@@ -121,7 +121,7 @@ def test_speedup_falls_back_to_hf_generate_and_launch_commands():
 
 def test_online_training_data_is_counted_with_the_target_tokenizer(chat_target, tmp_path):
     from eaglekit.data import read_conversations, tokenize_conversation
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]}) + "\n"

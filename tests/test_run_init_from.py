@@ -21,8 +21,8 @@ from eaglekit.stages.run import Config, plan
 @pytest.fixture
 def init_drafter(chat_target, tmp_path) -> Eagle3Drafter:
     """A drafter for the chat target whose draft vocabulary (every third id) no count-based vocab would pick."""
-    from eaglekit.target.capture import default_aux_layers
-    from eaglekit.target.loading import load_target_config
+    from eaglekit.targets.capture import default_aux_layers
+    from eaglekit.targets.loading import load_target_config
 
     text = load_target_config(chat_target)
     used = torch.arange(0, int(text.vocab_size), 3)

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from eaglekit.stages import serve
-from eaglekit.target.backends import EngineOutput, HFBackend, SamplingParams
-from eaglekit.target.server import ChatServer, parse_chat_request, RequestError
-from eaglekit.target.server_text import TextStream
+from eaglekit.generation.backends import EngineOutput, HFBackend, SamplingParams
+from eaglekit.generation.server import ChatServer, parse_chat_request, RequestError
+from eaglekit.generation.server_text import TextStream
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus two"}]
 
@@ -128,7 +128,7 @@ def test_unknown_route_is_404(server):
 
 
 def test_oversized_body_is_413(server, monkeypatch):
-    from eaglekit.target import server_api
+    from eaglekit.generation import server_api
 
     monkeypatch.setattr(server_api, "MAX_BODY_BYTES", 64)
     body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()

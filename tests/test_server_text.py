@@ -10,9 +10,9 @@ import httpx
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from eaglekit.target.backends import EngineOutput
-from eaglekit.target.server import ChatServer
-from eaglekit.target.server_text import TextStream
+from eaglekit.generation.backends import EngineOutput
+from eaglekit.generation.server import ChatServer
+from eaglekit.generation.server_text import TextStream
 
 CORPUS = ["naïve café — Grüße, 東京タワー 🚀🧪 emoji 👩‍👩‍👧 mixed ünïcödé text", "déjà vu: 数据 ✓ ok 😀 😀😀",
           "plain words on the road"] * 20

@@ -173,8 +173,8 @@ def test_chunked_attention_decodes_plain_and_refuses_speculative():
 
 @pytest.mark.parametrize("kind", ("gemma3", "qwen3"))
 def test_hidden_state_capture_on_sliding_targets(kind):
-    from eaglekit.target.capture import HiddenStateCapture
-    from eaglekit.target.verify import verify_capture
+    from eaglekit.targets.capture import HiddenStateCapture
+    from eaglekit.targets.verify import verify_capture
 
     model = sliding_target(kind)
     probe = torch.tensor([PROMPT * 3])  # past the window

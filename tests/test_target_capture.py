@@ -7,9 +7,9 @@ import torch
 import transformers as tf
 from torch import nn
 
-from eaglekit.drafters.eagle3.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER
+from eaglekit.layers import INPUT_OF_LAYER, OUTPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import (
+from eaglekit.targets.capture import (
     HiddenStateCapture,
     default_aux_layers,
     engine_aux_layers,
@@ -18,7 +18,7 @@ from eaglekit.target.capture import (
     from_input_convention,
     to_input_convention,
 )
-from eaglekit.target.verify import verify_capture
+from eaglekit.targets.verify import verify_capture
 
 LAYERS = 5
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -208,7 +208,7 @@ def test_layer_id_conventions_and_bounds():
 
 
 def test_target_report_on_a_saved_wrapper(tmp_path):
-    from eaglekit.target.inspection import format_target_report, target_report
+    from eaglekit.targets.inspection import format_target_report, target_report
 
     build("llava").save_pretrained(tmp_path)
     report = target_report(str(tmp_path))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglekit.target.capture import default_aux_layers, find_decoder
-from eaglekit.target.loading import load_target, load_tokenizer, tiny_target_path
+from eaglekit.targets.capture import default_aux_layers, find_decoder
+from eaglekit.targets.loading import load_target, load_tokenizer, tiny_target_path
 
 ASSETS = tiny_target_path().parent
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"

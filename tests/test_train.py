@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from builders import write_random_chats
+from builders import killed_and_resumed, write_random_chats
 
 from eaglekit.config import load_config
 from eaglekit.drafters.eagle3.build import with_vocab
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-from eaglekit.drafters.vocab import VocabMapping, load_vocab, mapping_from_drafter, save_vocab
+from eaglekit.training.vocab import VocabMapping, load_vocab, mapping_from_drafter, save_vocab
 from eaglekit.errors import EaglekitError
 from eaglekit.stages import train as stage
 
@@ -48,7 +48,7 @@ def test_online_training_writes_a_loadable_drafter(chat_target, data_file, tmp_p
         tau += running
     assert len(val["acc_k"]) == 3 and val["tau"] == pytest.approx(tau)
     drafter = Eagle3Drafter.from_pretrained(out)
-    from eaglekit.target.loading import load_target
+    from eaglekit.targets.loading import load_target
 
     target = load_target(chat_target)
     assert torch.equal(drafter.embed_tokens.weight, target.get_input_embeddings().weight)
@@ -59,20 +59,13 @@ def test_online_training_writes_a_loadable_drafter(chat_target, data_file, tmp_p
 
 
 def test_killed_and_resumed_run_matches_an_uninterrupted_one(chat_target, data_file, tmp_path):
-    from eaglekit.training.loop import train
-
     common = {"epochs": 2, "save_every": 2, "grad_accum": 2, "batch_size": 2, "log_every": 1}
-    train(options(chat_target, data_file, tmp_path / "a", **common))
 
-    def crash(step: int, trainer) -> None:
-        if step == 3:
-            raise RuntimeError("killed")
+    def after_kill() -> None:
+        assert json.loads((tmp_path / "b/checkpoints/latest.json").read_text())["step"] == 2
 
-    with pytest.raises(RuntimeError, match="killed"):
-        train(options(chat_target, data_file, tmp_path / "b", **common), step_callback=crash)
-    assert json.loads((tmp_path / "b/checkpoints/latest.json").read_text())["step"] == 2
-    train(options(chat_target, data_file, tmp_path / "b", resume=True, **common))
-    a, b = load_file(str(tmp_path / "a/model.safetensors")), load_file(str(tmp_path / "b/model.safetensors"))
+    a, b = killed_and_resumed(lambda out, **more: options(chat_target, data_file, out, **common, **more), tmp_path,
+                              after_kill=after_kill)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
@@ -141,7 +134,7 @@ def test_bad_inputs_are_refused(chat_target, data_file, tmp_path):
 
 
 def test_lm_head_starts_from_the_targets_rows_and_can_stay_frozen(chat_target, data_file, tmp_path):
-    from eaglekit.target.loading import load_target
+    from eaglekit.targets.loading import load_target
 
     head = load_target(chat_target, "cpu", torch.float32).get_output_embeddings().weight.detach()
     for freeze in (False, True):

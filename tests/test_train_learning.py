@@ -16,7 +16,7 @@ import torch
 
 from eaglekit.config import load_config
 from eaglekit.stages import train as stage
-from eaglekit.target.loading import tiny_target_path
+from eaglekit.targets.loading import tiny_target_path
 
 PROMPTS = tiny_target_path().parent / "tiny_prompts.jsonl"
 pytestmark = [
@@ -32,7 +32,7 @@ SETTINGS = {"target": "tiny", "data": [str(PROMPTS)], "batch_size": 8, "epochs":
 def unigram_baseline(config) -> float:
     """Accuracy on the validation positions of always predicting the most frequent training assistant token."""
     from eaglekit.training.data import conversation_records, split_indices
-    from eaglekit.target.loading import load_target, load_tokenizer
+    from eaglekit.targets.loading import load_target, load_tokenizer
 
     records = sorted(conversation_records(config.data, load_tokenizer("tiny"), config.max_length), key=lambda r: r["id"])
     train_idx, val_idx = split_indices(len(records), config.val_fraction, config.split_seed)

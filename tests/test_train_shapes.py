@@ -77,7 +77,7 @@ def test_extra_padding_leaves_loss_and_accuracy_unchanged(chat_target, data_file
 def test_compiled_flex_attention_does_not_recompile_per_length():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from eaglekit.drafters.eagle3.model import compiled_flex_attention
+    from eaglekit.drafters.common import compiled_flex_attention
     from eaglekit.drafters.eagle3.ttt import ttt_block_mask
 
     torch._dynamo.reset()  # no compiled entries of flex_attention left by other tests count against the limit
@@ -93,7 +93,7 @@ def test_compiled_flex_attention_does_not_recompile_per_length():
 def test_device_map_reaches_the_target_loader_online(chat_target, data_file, tmp_path, monkeypatch):
     import importlib.util
 
-    from eaglekit.target import loading
+    from eaglekit.targets import loading
 
     real_find_spec, real_load = importlib.util.find_spec, loading.load_target
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "accelerate" else real_find_spec(name, *a))

@@ -53,7 +53,7 @@ def test_regen_caps_answers_and_advises_a_retry_only_when_one_can_succeed(chat_t
 
 def test_serve_caps_a_default_max_tokens_at_the_context_left(chat_target):
     from eaglekit.stages import serve
-    from eaglekit.target.backends import HFBackend
+    from eaglekit.generation.backends import HFBackend
 
     backend = HFBackend.load(chat_target, "cpu", "fp32")
     prompt = backend.encode_chat([CHAT[0]])
@@ -93,14 +93,14 @@ def test_a_mistyped_drafter_to_export_or_import_is_named_with_its_sibling(tmp_pa
 
 
 def test_a_mistyped_drafter_is_refused_before_the_target_loads(tmp_path, monkeypatch):
-    import eaglekit.target.loading
+    import eaglekit.targets.loading
     from eaglekit.config import load_config
     from eaglekit.stages import serve
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded before the drafter path was checked")
 
-    monkeypatch.setattr(eaglekit.target.loading, "load_target", no_loading)
+    monkeypatch.setattr(eaglekit.targets.loading, "load_target", no_loading)
     (tmp_path / "train").mkdir()
     missing = f"{tmp_path / 'trian'} does not exist (did you mean {tmp_path / 'train'}?)"
     for args in (("generate", "x = 1", "target=tiny", f"drafter={tmp_path / 'trian'}"),
@@ -149,7 +149,7 @@ def test_a_drafter_whose_target_only_has_another_name_is_used_with_a_warning(cha
     from transformers import AutoConfig
 
     from eaglekit.drafters.eagle3.model import Eagle3Drafter
-    from eaglekit.training.setup import check_drafter_target
+    from eaglekit.formats.saved import check_drafter_target
 
     drafter = Eagle3Drafter.from_pretrained(save_drafter(tmp_path / "d", chat_target, "org/other-model"))
     with caplog.at_level(logging.WARNING):
@@ -179,7 +179,7 @@ def test_a_hub_target_is_handed_to_an_engine_as_its_cached_snapshot(tmp_path, mo
     eaglekit's own loading left it), and one that is not cached is one error naming the download."""
     import shutil
 
-    from eaglekit.target.loading import local_model_dir, tiny_target_path
+    from eaglekit.targets.loading import local_model_dir, tiny_target_path
 
     repo = tmp_path / "hub" / "models--some-org--tiny"
     shutil.copytree(tiny_target_path(), repo / "snapshots" / "abc123")

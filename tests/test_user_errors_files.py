@@ -73,7 +73,7 @@ def test_a_full_disk_in_train_leaves_no_partial_checkpoint(chat_target, data, tm
 def test_a_full_disk_in_regen_keeps_finished_records(chat_target, tmp_path, monkeypatch):
     from eaglekit.config import load_config
     from eaglekit.stages import regen
-    from eaglekit.target import regen as library
+    from eaglekit.generation import regen as library
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "messages": CHAT} for i in range(2)])
     config = load_config(regen.Config, overrides={"data": [str(prompts)], "target": chat_target, "max_new_tokens": 2,
@@ -151,7 +151,7 @@ def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path
     from eaglekit import layers
     from eaglekit.config import load_config
     from eaglekit.stages import extract
-    from eaglekit.target.capture import default_aux_layers
+    from eaglekit.targets.capture import default_aux_layers
 
     monkeypatch.setattr(layers, "_warned_small", set())  # warned once per process: an earlier test may have seen 5 layers
     with caplog.at_level(logging.WARNING):
@@ -174,7 +174,7 @@ def test_small_targets_get_distinct_aux_layers_and_three_layers_extract(tmp_path
 
 
 def test_regen_and_serve_take_a_chat_template(chat_target, tmp_path):
-    from eaglekit.target.backends import HFBackend
+    from eaglekit.generation.backends import HFBackend
 
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
     backend = HFBackend.load(chat_target, "cpu", "fp32", chat_template=template)

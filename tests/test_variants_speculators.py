@@ -53,7 +53,7 @@ def speculators_checkpoint(trained: str, workdir) -> tuple[str, dict]:
     """speculators' own checkpoint of the trained drafter's weights -> (directory, what the build printed)."""
     from eaglekit.drafters.eagle3.model import Eagle3Drafter
     from eaglekit.drafters.eagle3.convert import export_drafter
-    from eaglekit.target.loading import tiny_target_path
+    from eaglekit.targets.loading import tiny_target_path
 
     drafter = Eagle3Drafter.from_pretrained(trained)
     weights = workdir / "weights"
@@ -87,7 +87,7 @@ def test_speculators_norm_before_fc_checkpoint_imports_and_decodes_as_vllm(train
     from eaglekit.vllm import bench as vllm_bench
     from eaglekit.vllm import engine as ve
     from eaglekit.drafters.eagle3.convert import import_checkpoint
-    from eaglekit.target.loading import load_tokenizer, tiny_target_path
+    from eaglekit.targets.loading import load_tokenizer, tiny_target_path
 
     checkpoint, built = speculators_checkpoint(trained, tmp_path)
     assert built["unexpected"] == [] and set(built["missing"]) <= {"verifier_norm.weight", "verifier_lm_head.weight"}

@@ -21,7 +21,7 @@ from eaglekit.drafters.eagle3.model import Eagle3Drafter
 from eaglekit.vllm import engine as ve
 from eaglekit.vllm.bench import PLAIN, export_for_vllm, model_length
 from eaglekit.stages import bench
-from eaglekit.target.loading import tiny_target_path
+from eaglekit.targets.loading import tiny_target_path
 from test_vllm_targets import prompt_ids
 
 pytestmark = pytest.mark.engine

@@ -80,7 +80,7 @@ def test_vllm_sampling_is_checked_against_its_own_plain_sampling(benched):
     from eaglekit.decode import Decoder
     from eaglekit.decode.setup import load_drafter
     from eaglekit.vllm.distribution import ALPHA, compare
-    from eaglekit.target.loading import load_target
+    from eaglekit.targets.loading import load_target
 
     output, result = benched
     vllm = by_method(result, 1.0)
@@ -111,7 +111,7 @@ def test_vllm_sampling_is_checked_against_its_own_plain_sampling(benched):
 
 def test_regen_openai_against_vllm_serve_equals_vllm_offline_greedy(benched, tmp_path):
     """regen's answers from a real `vllm serve` equal vLLM's offline greedy output on eaglekit's prompt ids."""
-    from eaglekit.target.loading import load_tokenizer, resolve_target
+    from eaglekit.targets.loading import load_tokenizer, resolve_target
 
     output, result = benched
     offline = json.loads((output / "vllm" / "offline.result.json").read_text())

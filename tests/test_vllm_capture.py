@@ -27,7 +27,8 @@ from eaglekit.errors import EaglekitError
 from eaglekit.vllm import capture as vc
 from eaglekit.vllm import engine as ve
 from eaglekit.stages import extract, regen
-from eaglekit.target.store import HiddenStateDataset, StoreLayout
+from eaglekit.vllm import extract as vllm_extract
+from eaglekit.targets.store import HiddenStateDataset, StoreLayout
 
 PROMPTS = str(engines.PROMPTS)
 
@@ -65,22 +66,22 @@ def test_cpu_binding_dtype_and_engine_errors():
 
 
 def test_a_record_longer_than_the_context_is_refused_before_the_engine_and_the_engines_refusal_is_named():
-    from eaglekit.target.extract import Record
-    from eaglekit.target.loading import load_target_config
+    from eaglekit.targets.extract import Record
+    from eaglekit.targets.loading import load_target_config
 
     config = load_config(extract.Config, None, ["data=x", "output=y", "target=tiny", "backend=vllm"])
     short, long = (Record(str(n), torch.arange(n), torch.ones(n, dtype=torch.uint8)) for n in (10, 1024))
-    assert extract._max_model_len(config, load_target_config("tiny"), [short], []) == 11
+    assert vllm_extract.max_model_len(config, load_target_config("tiny"), [short], []) == 11
     with pytest.raises(EaglekitError, match="lower max_length to 1023"):
-        extract._max_model_len(config, load_target_config("tiny"), [short, long], [])
+        vllm_extract.max_model_len(config, load_target_config("tiny"), [short, long], [])
     refused = "ValueError: The decoder prompt (length 300) is longer than the maximum model length of 256."
     engine = ve.Engine(python="/no/vllm/bin/python", version="0.0")
     assert vc.engine_error(refused, "/m", engine).startswith("a request is longer than vLLM's max_model_len")
 
 
 def test_final_norm_is_the_targets_own():
-    from eaglekit.target.capture import find_decoder
-    from eaglekit.target.loading import load_target, load_target_config, tiny_target_path
+    from eaglekit.targets.capture import find_decoder
+    from eaglekit.targets.loading import load_target, load_target_config, tiny_target_path
 
     model = load_target("tiny")
     norm = vc.final_norm(str(tiny_target_path()), load_target_config("tiny"))
@@ -93,7 +94,7 @@ def test_final_norm_is_the_targets_own():
 def test_a_requests_file_becomes_store_rows_and_other_token_ids_are_refused(tmp_path):
     from safetensors.torch import save_file
 
-    from eaglekit.target.extract import Record
+    from eaglekit.targets.extract import Record
 
     layers, layout = vc.engine_layers((1, 2, 3), 4), StoreLayout(hidden_size=8, dtype="fp32")
     hidden = torch.randn(6, 4, 8)  # (T, ids 1..4, H)
@@ -202,7 +203,7 @@ def test_regenerate_and_capture_killed_and_resumed_equals_regen_then_extract(reg
         return {line["id"]: line["messages"] for line in map(json.loads, path.read_text().splitlines())}
 
     hf = answers(regenerated / "hf-regen" / regen.OUTPUT_FILE)
-    assert answers(regenerated / "vllm" / extract.REGENERATED_FILE) == hf and len(hf) == 8
+    assert answers(regenerated / "vllm" / vllm_extract.REGENERATED_FILE) == hf and len(hf) == 8
     run_extract(regenerated / "hf-extract", "tiny", data=str(regenerated / "hf-regen" / regen.OUTPUT_FILE))
     assert_same_store(regenerated / "hf-extract", regenerated / "vllm")
     assert not (regenerated / "vllm" / vc.SPOOL).exists()

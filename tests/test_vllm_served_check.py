@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from eaglekit.cli import main
-from eaglekit.target.loading import tiny_target_path
+from eaglekit.targets.loading import tiny_target_path
 from engines import EVAL_PROMPTS, vllm_python
 
 

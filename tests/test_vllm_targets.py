@@ -44,7 +44,7 @@ def prompt_ids() -> list[list[int]]:
     """The prompt ids eaglekit's bench uses (the target's chat template): every target here has the tiny tokenizer."""
     from eaglekit.data import prompt_messages, read_conversations
     from eaglekit.decode.setup import prompt_ids as encode
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     return [encode(tokenizer, prompt_messages(c)) for c in read_conversations(str(engines.EVAL_PROMPTS))[:NUM_PROMPTS]]

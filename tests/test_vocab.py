@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eaglekit.drafters.eagle3.model import DrafterConfig, Eagle3Drafter
-from eaglekit.drafters.vocab import VocabMapping, count_tokens, load_vocab, remap_rows, save_vocab, select_vocab
+from eaglekit.training.vocab import VocabMapping, count_tokens, load_vocab, remap_rows, save_vocab, select_vocab
 from eaglekit.errors import EaglekitError
 
 
@@ -52,7 +52,7 @@ def test_remap_rows_moves_kept_ids_and_inits_new_ones() -> None:
 
 
 def test_vocab_stage_from_shards_and_keeping_a_drafter_mapping(tmp_path, monkeypatch) -> None:
-    """Stand-in for `eaglekit.target.store.HiddenStateDataset` (per docs/CONTRACTS.md): one shard file holding only the
+    """Stand-in for `eaglekit.targets.store.HiddenStateDataset` (per docs/CONTRACTS.md): one shard file holding only the
     token tensors; reading a record's hidden states (`__getitem__`) fails the test."""
     from safetensors.torch import save_file
 
@@ -72,7 +72,7 @@ def test_vocab_stage_from_shards_and_keeping_a_drafter_mapping(tmp_path, monkeyp
         def __getitem__(self, i: int) -> dict:
             raise AssertionError("vocab shards= must count from the token tensors, not load hidden states")
 
-    monkeypatch.setitem(sys.modules, "eaglekit.target.store", types.SimpleNamespace(HiddenStateDataset=FakeDataset))
+    monkeypatch.setitem(sys.modules, "eaglekit.targets.store", types.SimpleNamespace(HiddenStateDataset=FakeDataset))
     from eaglekit.stages import vocab as stage
 
     result = stage.run(stage.Config(shards="x", output=str(tmp_path / "v"), size=2))
@@ -94,7 +94,7 @@ def test_vocab_stage_from_conversations_counts_assistant_tokens(chat_target, tmp
 
     from eaglekit.data import read_conversations, tokenize_conversation
     from eaglekit.stages import vocab as stage
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "what is two plus two"},

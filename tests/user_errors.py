@@ -87,7 +87,7 @@ def save_drafter(directory: Path, target_dir: str, target_name: str) -> Path:
 
     from eaglekit.drafters.eagle3.build import drafter_config_for
     from eaglekit.drafters.eagle3.model import Eagle3Drafter
-    from eaglekit.target.capture import default_aux_layers
+    from eaglekit.targets.capture import default_aux_layers
 
     config = AutoConfig.from_pretrained(target_dir)
     drafter = Eagle3Drafter(drafter_config_for(config, config.vocab_size, default_aux_layers(config.num_hidden_layers),

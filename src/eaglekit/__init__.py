@@ -16,8 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eaglekit import moved
 from eaglekit.errors import EaglekitError
 from eaglekit.version import __version__
+
+moved.install()  # the earlier layout's module paths, for one more release
 
 
 def run_stage(name: str, config_file: str | Path | None = None, **options: Any) -> Any:

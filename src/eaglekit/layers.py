@@ -4,7 +4,7 @@
 embedding output and id L (L = number of layers) is the last layer's output before the final norm.
 `OUTPUT_OF_LAYER` (SGLang's explicit ids): id k is the output of decoder layer k, i.e. input-of-layer id k + 1.
 
-A neutral module below `eaglekit.target` (capture) and `eaglekit.drafters.eagle3` (the drafter's config), both of which
+A neutral module below `eaglekit.targets` (capture) and `eaglekit.drafters.eagle3` (the drafter's config), both of which
 use it.
 """
 

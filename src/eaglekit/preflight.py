@@ -10,24 +10,21 @@ the first refusal as one `EaglekitError` naming the stage and the fix:
   layers only) when it measures chain or tree, the static fast path's coverage with `backend=static`, and with
   `engine=vllm` an installed vLLM of the tested version that the doctor does not call "not supported" for the
   target (`vllm.bench.check_served`);
-- export: for each format, the drafter that train will build (shapes from the target, aux layers, variant flags,
-  `drafter_arch`; or `init_from`'s own config) against that format's rules (`drafters.eagle3.formats.check_exportable`);
+- export: for each format, the drafter that train will build (its type's `planned_config`: shapes from the target,
+  aux layers, variant flags, `drafter_arch`; or `init_from`'s own config) against that format's rules (the type's
+  `check_exportable`);
 - doctor: nothing; a doctor that cannot read an engine reports the verdict "unknown" instead of failing the run.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from eaglekit.decode.methods import METHODS_OF_TYPE
+from eaglekit import registry
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
-
-SPECULATIVE_METHODS = tuple(dict.fromkeys(m for methods in METHODS_OF_TYPE.values() for m in methods))  # all drafting
 
 
 def _refused(stage: str, error: EaglekitError) -> EaglekitError:
@@ -40,11 +37,11 @@ def check_decoding(target_config: Any, methods: Iterable[str], backend: str, nam
     from eaglekit.decode.windows import check_speculative
 
     methods = list(methods)
-    if any(m in SPECULATIVE_METHODS for m in methods):
+    if any(m in registry.method_names() for m in methods):
         try:
             check_speculative(target_config, name)
         except EaglekitError as error:
-            plain = ",".join(m for m in methods if m not in SPECULATIVE_METHODS) or "plain"
+            plain = ",".join(m for m in methods if m not in registry.method_names()) or "plain"
             raise EaglekitError(f"{error} (bench: methods={plain})") from None
     if backend == "static":
         from eaglekit.decode.static import check_static_target
@@ -64,48 +61,29 @@ def check_bench(config: Any, target_config: Any, methods: list[str]) -> None:
         from eaglekit.vllm.engine import find_engine
 
         from eaglekit.vllm.bench import check_served
-        from eaglekit.target.loading import local_model_dir
+        from eaglekit.targets.loading import local_model_dir
 
         check_served(find_engine(config.vllm_python, config.vllm_version_check), local_model_dir(config.target))
 
 
 def planned_drafter(train: Any, target_config: Any, aux_layers: tuple[int, ...]) -> Any | None:
-    """The `DrafterConfig` that `eaglekit train` (config: `TrainConfig`) will build for this target, without
-    data: the draft vocabulary's size is its upper bound. None where it cannot be told beforehand (a drafter type
-    other than eagle3, an `init_from` in another format)."""
-    import dataclasses
-
-    from eaglekit.drafters.eagle3 import mla
-    from eaglekit.drafters.eagle3.build import drafter_config_for, requested_variant
-    from eaglekit.drafters.eagle3.model import FORMAT, DrafterConfig
-    from eaglekit.target.capture import text_config
-
-    if getattr(train, "drafter_type", "eagle3") != "eagle3":
-        return None
-    if train.init_from:
-        path = Path(train.init_from) / "config.json"
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        return DrafterConfig.from_dict(data) if data.get("format") == FORMAT else None
-    tc = text_config(target_config)
-    architecture = (getattr(target_config, "architectures", None) or [type(target_config).__name__])[0]
-    config = drafter_config_for(tc, train.draft_vocab_size, aux_layers, train.target, architecture)
-    return dataclasses.replace(config, **requested_variant(train), **mla.architecture_fields(train, tc))
+    """The drafter config that `eaglekit train` (config: `TrainConfig`) will build for this target, without data
+    (its type's `planned_config`); None where it cannot be told beforehand."""
+    return registry.get(train.drafter_type).planned_config(train, target_config, aux_layers)
 
 
-def check_export(formats: Iterable[str], drafter: Any) -> None:
-    """What `eaglekit export --to FORMAT` refuses of this drafter config, for each format."""
-    from eaglekit.drafters.eagle3.formats import check_exportable
-
+def check_export(formats: Iterable[str], drafter: Any, drafter_type: str) -> None:
+    """What `eaglekit export --to FORMAT` refuses of this drafter config (of type `drafter_type`), for each format."""
     for fmt in formats:
         try:
-            check_exportable(drafter, fmt)
+            registry.get(drafter_type).check_exportable(drafter, fmt)
         except EaglekitError as error:
             raise EaglekitError(f"export --to {fmt}: {error} (or leave {fmt} out of export_formats)") from None
 
 
 def _aux_layers(train: Any, layers: int) -> tuple[int, ...]:
     """The aux layers (input-of-layer) a fresh drafter fuses: train's `aux_layer_ids`, else the default."""
-    from eaglekit.target.extract import resolve_aux_ids
+    from eaglekit.targets.extract import resolve_aux_ids
 
     return resolve_aux_ids(tuple(train.aux_layer_ids), "input_of_layer", layers, train.target)
 
@@ -115,8 +93,8 @@ def check_steps(steps: Iterable[Any], target: str, trust_remote_code: bool = Fal
     """Raise what a later stage of the plan (`eaglekit.pipeline.Step`s) would refuse; see the module docstring.
     `bench_options`: the bench stage's own option check, giving the methods it measures (the stages are the run's
     to know: this module imports none)."""
-    from eaglekit.target.capture import text_config
-    from eaglekit.target.loading import load_target_config
+    from eaglekit.targets.capture import text_config
+    from eaglekit.targets.loading import load_target_config
 
     configs = {step.name: step.make_config() for step in steps}
     target_config = load_target_config(target, trust_remote_code=trust_remote_code)
@@ -132,7 +110,7 @@ def check_steps(steps: Iterable[Any], target: str, trust_remote_code: bool = Fal
         drafter = planned_drafter(configs["train"], target_config, _aux_layers(configs["train"], layers))
         if drafter is not None:
             try:
-                check_export(formats, drafter)
+                check_export(formats, drafter, configs["train"].drafter_type)
             except EaglekitError as error:
                 raise _refused("export", error) from None
     log.info("pre-flight: %s would accept this target and these options", ", ".join(configs))

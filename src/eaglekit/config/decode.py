@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eaglekit import registry
 from eaglekit.errors import EaglekitError
 
-METHODS = ("tree", "chain", "plain", "parallel", "dflash")
-# methods that draft a chain of `chain_length` tokens: EAGLE-3 one forward per token, P-EAGLE (`parallel`) and DFlash
-# all of them in one drafter forward
-CHAIN_METHODS = ("chain", "parallel", "dflash")
+METHODS = ("plain", *registry.method_names())  # plain, and every drafter type's methods
+# methods that draft a chain of `chain_length` tokens (EAGLE-3 one forward per token, P-EAGLE's and DFlash's all of
+# them in one drafter forward); the others grow a tree
+CHAIN_METHODS = registry.chain_method_names()
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    method: str = "tree"  # tree | chain | plain | parallel (P-EAGLE chain) | dflash
+    method: str = "tree"  # plain, or a drafter type's method (METHODS)
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # sampling filter on the target (and chain drafts); 0 = off
     top_p: float = 1.0

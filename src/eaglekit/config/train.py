@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from eaglekit import registry
 from eaglekit.config import option
 
-DRAFTER_TYPES = ("eagle3", "p-eagle", "dflash")  # `drafter_type=`; saved in each drafter's config.json
+DRAFTER_TYPES = registry.names()  # `drafter_type=`; saved in each drafter's config.json
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,8 @@ class TrainConfig:
 
     RENAMED: ClassVar[dict[str, str]] = {"aux_layers": "aux_layer_ids"}  # old key -> new (refused, naming the new)
 
-    drafter_type: str = option("eagle3", "what to train: eagle3 (one token per drafter forward, TTT loss), p-eagle "
-                               "(an EAGLE-3 drafter that drafts ttt_steps tokens in one forward: positions after the "
-                               "first read a learned mask_hidden and a parallel-drafting token; init_from= an eagle3 "
-                               "drafter is the usual recipe), dflash (block diffusion drafter)",
+    drafter_type: str = option("eagle3", "what to train: " + "; ".join(f"{name} ({registry.get(name).summary})"
+                                                                     for name in DRAFTER_TYPES),
                                choices=DRAFTER_TYPES)
     target: str = option("", "target model (path, hub id or 'tiny'): config, embedding, lm_head (and the "
                              "model itself online)")

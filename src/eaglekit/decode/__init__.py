@@ -1,35 +1,31 @@
-"""Speculative decoding with an EAGLE-3 drafter: pure sampling/tree/verification functions, an eager
-reference backend for any Hugging Face causal LM, and a static-KV-cache fast path for Llama-family
-targets. Entry point: `generate(target, drafter, prompt_ids, max_new_tokens, method=...)`.
+"""Speculative decoding with a drafter of any type: pure sampling/tree/verification functions, an eager reference
+backend for any Hugging Face causal LM, and a static-KV-cache fast path for Llama-family targets; each drafter type's
+drafting comes from its folder through `eaglekit.registry`. Entry point: `generate(target, drafter, prompt_ids,
+max_new_tokens, method=...)`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.engine import METHODS, DecodeOptions, DecodeStats, GenerateResult, decode_loop
+from eaglekit import registry
 from eaglekit.config.decode import CHAIN_METHODS
+from eaglekit.decode.engine import METHODS, DecodeOptions, DecodeStats, GenerateResult, decode_loop
 from eaglekit.errors import EaglekitError
 
 BACKENDS = ("eager", "static")
-STATIC_DRAFTER_ARCHS = ("llama",)  # midlayers `static._StaticDraftNet` implements
 
 
 def static_drafter_supported(drafter: torch.nn.Module) -> bool:
-    """True when a static drafter step covers `drafter`: an `Eagle3Drafter` with a Llama-style midlayer, or a
-    `DFlashDrafter`. Any other drafter (another midlayer, or an object that only keeps the drafter contract) runs
-    the eager reference drafter, also under backend=static."""
-    from eaglekit.drafters.dflash.model import DFlashDrafter
-    from eaglekit.drafters.eagle3.model import Eagle3Drafter
-
-    if isinstance(drafter, DFlashDrafter):
-        return True
-    return isinstance(drafter, Eagle3Drafter) and drafter.config.drafter_arch in STATIC_DRAFTER_ARCHS
+    """True when a static drafter step of one of its type's methods covers `drafter` (an EAGLE-3 drafter with a
+    Llama-style midlayer, a DFlash drafter, ...). Any other drafter (another midlayer, or an object that only keeps
+    the drafter contract) runs the eager reference drafter, also under backend=static."""
+    return any(registry.speculative_method(name).static_supported(drafter) for name in registry.of(drafter).methods)
 
 
 def drafter_aux_layers(drafter: torch.nn.Module) -> tuple[int, ...]:
     """The drafter's aux layer ids in the input-of-layer convention the capture hooks use."""
-    from eaglekit.target.capture import to_input_convention
+    from eaglekit.targets.capture import to_input_convention
 
     config = drafter.config
     return to_input_convention(tuple(config.aux_layer_ids), config.aux_layer_convention)
@@ -67,7 +63,7 @@ class Decoder:
 
     def _static(self, method) -> bool:
         """True when target and drafter both run static for `method`: its steps then run fused (fused.py)."""
-        return self.static_drafter and isinstance(self.drafter, method.static_drafters)
+        return self.static_drafter and method.static_supported(self.drafter)
 
     def _drafter_backend(self, opts: DecodeOptions, method):
         if not self._static(method):
@@ -90,7 +86,7 @@ class Decoder:
 
         key = (id(target_backend), id(drafter_backend), fused_shape(opts), vocab_size)
         if key not in self._fused:
-            self._fused[key] = FusedStep(target_backend, drafter_backend, opts, vocab_size, method.grow)
+            self._fused[key] = FusedStep(target_backend, drafter_backend, opts, vocab_size, method)
         return self._fused[key]
 
     def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, method: str = "tree",
@@ -110,10 +106,8 @@ class Decoder:
             raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
         speculative = None
         if method != "plain":
-            from eaglekit.decode.methods import check_method, speculative_method
-
-            check_method(method, self.drafter)
-            speculative = speculative_method(method)
+            registry.check_method(method, self.drafter)
+            speculative = registry.speculative_method(method)
         width = 0 if method == "plain" else 1 + (opts.chain_length if method in CHAIN_METHODS else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
             raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + "

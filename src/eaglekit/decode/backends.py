@@ -1,13 +1,9 @@
-"""Eager reference backends: any Hugging Face causal LM as the target, the eaglekit drafter with a
-growing KV cache. The fast static-cache backends in `eaglekit.decode.static` have the same methods.
+"""The eager reference target backend: any Hugging Face causal LM (each drafter type's eager drafter backend lives
+in its folder). The fast static-cache backend in `eaglekit.decode.static` has the same methods.
 
 Target backend:  forward(ids (T,), positions (T,), mask (T, T) bool over the new tokens) ->
                  (logits (T, V), aux (T, 3H) or None); keep(nodes (K,) long) compacts the cache so that of
                  the last forward only those tokens remain, in that order.
-Drafter backend: extend(aux (T, 3H_t), next_ids (T,), positions (T,)) -> (hidden (T, H), logits (T, Vd))
-                 appends target-feature positions to the stable cache and drops earlier draft slots;
-                 draft(hidden (k, H), ids (k,), positions (k,), visible (k, E+k) bool over draft slots)
-                 -> (hidden (k, H), logits (k, Vd)).
 
 Tree verification in one HF forward: transformers 5 returns a 4D `attention_mask` unchanged
 (`masking_utils._preprocess_mask_arguments`), so we pass a float mask (0 = attend, dtype min = not)
@@ -28,7 +24,7 @@ from eaglekit.decode.windows import (
     FULL, SLIDING, check_speculative, model_windows, unsupported_kinds, window_mask,
 )
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import HiddenStateCapture, find_decoder
+from eaglekit.targets.capture import HiddenStateCapture, find_decoder
 
 
 def make_hf_cache(model: torch.nn.Module | None):
@@ -135,36 +131,3 @@ class HFTarget:
         self.last_length = nodes.shape[0]
 
 
-class EagerDrafter:
-    """Reference drafter backend: concatenated KV tensors, stable part plus this round's draft slots."""
-
-    def __init__(self, drafter: torch.nn.Module):
-        self.drafter = drafter
-        self.stable: tuple[torch.Tensor, torch.Tensor] | None = None  # 2 x (1, nkv, S, D)
-        self.draft: tuple[torch.Tensor, torch.Tensor] | None = None  # 2 x (1, nkv, E, D)
-
-    @property
-    def stable_length(self) -> int:
-        return 0 if self.stable is None else self.stable[0].shape[2]
-
-    def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
-        from eaglekit.decode.tree import causal_mask
-
-        feature = self.drafter.fuse(aux.to(next(self.drafter.parameters()).dtype))[None]  # (1, T, H)
-        mask = causal_mask(next_ids.shape[0], self.stable_length, next_ids.device)[None, None]
-        hidden, logits, (k, v) = self.drafter(feature, next_ids[None], positions[None], self.stable, mask)
-        self.stable = (k, v) if self.stable is None else (torch.cat([self.stable[0], k], 2),
-                                                          torch.cat([self.stable[1], v], 2))
-        self.draft = None
-        return hidden[0], logits[0]
-
-    def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
-        past = self.stable
-        if self.draft is not None:
-            past = (torch.cat([self.stable[0], self.draft[0]], 2), torch.cat([self.stable[1], self.draft[1]], 2))
-        prefix = torch.ones(ids.shape[0], self.stable_length, dtype=torch.bool, device=ids.device)
-        mask = torch.cat([prefix, visible], dim=1)[None, None]  # (1, 1, k, S + E + k)
-        out, logits, (k, v) = self.drafter(hidden[None], ids[None], positions[None], past, mask)
-        self.draft = (k, v) if self.draft is None else (torch.cat([self.draft[0], k], 2),
-                                                        torch.cat([self.draft[1], v], 2))
-        return out[0], logits[0]

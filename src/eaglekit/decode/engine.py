@@ -1,8 +1,9 @@
-"""The decode loop: plain, EAGLE-3 chain and EAGLE-3 dynamic-tree speculative decoding, batch 1.
+"""The decode loop: plain and speculative decoding (any drafter type's method), batch 1.
 
 One speculative step:
 1. the drafter, fed the target's fused aux states of the tokens accepted last step (its stable KV
-   cache grows by exactly those positions), drafts a chain or an EAGLE-2 tree from the last one;
+   cache grows by exactly those positions), drafts a chain or an EAGLE-2 tree from the last one (the method's
+   `grow`, from the drafter type's folder: `eaglekit.decode.methods`);
 2. ONE target forward verifies the root (the last produced token) and every draft node under a tree
    attention mask, capturing the aux states of all nodes;
 3. `verify_greedy` / `verify_sampled_tree` / `verify_sampled_chain` pick the accepted path and the bonus token
@@ -11,8 +12,7 @@ One speculative step:
    and re-made next step from the target's states (what the drafter was trained on).
 
 Positions: the root sits at position m (the number of tokens the target has cached); a node at depth
-d at m + d. The drafter step for position t reads (feature of t, token t+1), so a depth-d node is fed
-at drafter position m + d - 1 with its parent's output hidden state.
+d at m + d.
 The loop below runs the eager reference backends (`backends.py`): a step has exactly one host
 synchronisation (the accepted path, which the variable-length output and the EOS check need) and no
 host-to-device copies. On the static fast path (`static.py`) every speculative step runs the same
@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from eaglekit.decode.sampling import choose, draft_probs_to_target, logits_to_probs, sample
+from eaglekit.decode.sampling import choose, logits_to_probs
 from eaglekit.decode.tree import (
-    DraftTree, ancestor_matrix, build_tree, expand_candidates, extend_ancestry, next_frontier, sample_candidates,
+    DraftTree,
 )
 from eaglekit.decode.verify import Verdict, verify_greedy, verify_sampled_chain, verify_sampled_tree
 from eaglekit.config.decode import CHAIN_METHODS, METHODS, DecodeOptions  # noqa: F401 (re-exported: eaglekit.decode.engine's API)
@@ -78,71 +78,6 @@ def draft_size(options: DecodeOptions) -> int:
         return 1 + options.chain_length
     k = options.tree_top_k
     return 1 + min(options.total_tokens, k + (options.depth - 1) * k * k)
-
-
-def draft(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor,
-          start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
-          generator: torch.Generator | None) -> DraftTree:
-    """Grow a chain or EAGLE-2 tree from the root. root_hidden (H,), root_logits (Vd,), root_token ().
-
-    Every shape depends on `options` alone and nothing is read back to the host, so for deterministic
-    drafts (trees, greedy chains) the whole function can run as one captured graph (`static.py`)."""
-    chain = options.method == "chain"
-    width, depth = (1, options.chain_length) if chain else (options.tree_top_k, options.depth)
-    sampled = chain and options.temperature > 0
-    sampled_tree = not chain and options.temperature > 0  # children drawn without replacement from q
-    device = root_logits.device
-    all_draft_ids = drafter.draft_to_target(torch.arange(root_logits.shape[-1], device=device))  # (Vd,)
-    f_hidden, f_logits = root_hidden[None], root_logits[None]  # (k, H), (k, Vd) of the frontier nodes
-    f_scores = torch.zeros(1, device=device)
-    f_pool = torch.full((1,), -1, dtype=torch.long, device=device)  # pool index, -1 = root
-    f_slot = torch.full((1,), -1, dtype=torch.long, device=device)  # drafter draft slot, -1 = root
-    ancestry = torch.zeros(0, 0, dtype=torch.bool, device=device)
-    pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "parents": [], "depths": [], "q": [],
-                                           "owner": []}
-    offset = 0
-    for level in range(1, depth + 1):
-        if sampled or sampled_tree:
-            q = logits_to_probs(f_logits, options.temperature, options.top_k, options.top_p)  # (frontier, Vd)
-            if sampled:
-                ids, scores, slots = sample(q, generator), f_scores, torch.zeros(1, dtype=torch.long, device=device)
-            else:
-                ids, scores, slots = sample_candidates(f_scores, q, width, generator)
-                pool["owner"].append(f_pool)
-            pool["q"].append(draft_probs_to_target(q, all_draft_ids, vocab_size))
-        else:
-            ids, scores, slots = expand_candidates(f_scores, f_logits, width)
-        tokens = all_draft_ids[ids]
-        pool["tokens"].append(tokens)
-        pool["scores"].append(scores)
-        pool["parents"].append(f_pool[slots])
-        pool["depths"].append(torch.full_like(tokens, level))
-        if level == depth:
-            break
-        pick = next_frontier(scores, width)  # (k,) candidates to feed to the drafter
-        parent = slots[pick]
-        ancestry = extend_ancestry(ancestry, f_slot[parent])
-        used = ancestry.shape[0] - pick.shape[0]
-        positions = torch.zeros_like(pick) + (start + level - 1)  # `start` may be a 0-d tensor (compiled graph)
-        f_hidden, f_logits = drafter_backend.draft_step(f_hidden[parent], tokens[pick], positions, ancestry[used:])
-        f_scores, f_pool = scores[pick], offset + pick
-        f_slot = used + torch.arange(pick.shape[0], device=device)
-        offset += tokens.shape[0]
-    cat = {k: torch.cat(v) for k, v in pool.items() if v}
-    tree = build_tree(root_token, cat["tokens"], cat["scores"], cat["parents"], cat["depths"],
-                      min(options.total_tokens if not chain else depth, cat["tokens"].shape[0]),
-                      *((cat["q"], cat["owner"]) if sampled_tree else ()))
-    if sampled:
-        tree.draft_probs = torch.cat([torch.zeros_like(cat["q"][:1]), cat["q"]])  # chain keeps every node
-    return tree
-
-
-def grow_tree(drafter_backend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor,
-              start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
-              generator: torch.Generator | None) -> tuple[DraftTree, torch.Tensor]:
-    """`draft` plus the tree's (N, N) ancestors-or-self matrix, which is the verify attention mask."""
-    tree = draft(drafter_backend, drafter, root_hidden, root_logits, root_token, start, options, vocab_size, generator)
-    return tree, ancestor_matrix(tree.parents, options.draft_depth)
 
 
 def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, options: DecodeOptions,
@@ -203,8 +138,8 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
                 options: DecodeOptions, vocab_size: int, on_tokens=None, fused=None, grow=None) -> GenerateResult:
     """Run plain or speculative decoding on prepared backends (see module docstring). `fused`: a
     `fused.FusedStep` over these backends, which then runs every speculative step after the prefill. `grow`:
-    the method's draft function (`methods.speculative_method`; default `grow_tree`, EAGLE-3 chains and trees)."""
-    grow = grow or grow_tree
+    the method's draft function (`methods.SpeculativeMethod.grow`; None for plain decoding)."""
+    assert grow is not None or options.method == "plain", "a speculative method needs its grow function"
     device = target_backend.device
     generator = torch.Generator(device=device).manual_seed(options.seed)
     stats = DecodeStats(max_drafts=0 if options.method == "plain" else options.draft_depth)

@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from eaglekit.decode import graphs
-from eaglekit.decode.engine import DecodeOptions, DecodeStats, draft_size, grow_tree
-from eaglekit.decode.parallel import parallel_logits
+from eaglekit.config.decode import CHAIN_METHODS
+from eaglekit.decode.engine import DecodeOptions, DecodeStats, draft_size
+from eaglekit.decode.methods import SpeculativeMethod
 from eaglekit.decode.sampling import PreDrawn, logits_to_probs, rand
 from eaglekit.decode.tree import chain_from_logits
 from eaglekit.decode.verify import greedy_path, rejection_tree_tokens, sampled_chain_path
@@ -51,7 +52,7 @@ class _State(nn.Module):
         # root's drafter state
         self.register_buffer("hidden", torch.zeros(hidden, dtype=dtype, device=device), persistent=False)
         self.register_buffer("logits", torch.zeros(draft_vocab, dtype=dtype, device=device), persistent=False)
-        # P-EAGLE: the logits of the next chain's drafts 2 .. k, drafted in the extend's forward
+        # a method that drafts ahead (P-EAGLE): the logits of the next chain's drafts 2 .. k, from the extend's forward
         self.register_buffer("ahead_logits", torch.zeros(ahead, draft_vocab, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("token", torch.zeros((), dtype=torch.long, device=device), persistent=False)  # root token
@@ -79,14 +80,14 @@ class FusedStep:
     """Chains and trees, greedy or sampled, over a `static.StaticTarget` and a `static.StaticDrafter` (module
     docstring). `Decoder` builds one per target backend and options shape (`fused_shape`)."""
 
-    def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int, grow=grow_tree):
-        self.target, self.drafter, self.grow = target, drafter, grow  # grow: the method's draft function
+    def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int, method: SpeculativeMethod):
+        self.target, self.drafter, self.method = target, drafter, method
         net = drafter.net.drafter
         param = net.fc.weight
         self.nodes = draft_size(options)  # verify width
-        # P-EAGLE: the k - 1 mask slots run in the same drafter forward as the extend
-        # (`StaticDrafter.extend_and_draft`), so a parallel step runs one drafter forward, as vLLM's does
-        self.ahead = self.nodes - 2 if options.method == "parallel" else 0
+        # a method that drafts ahead (P-EAGLE: the k - 1 mask slots) runs them in the same drafter forward as the
+        # extend (`extend_and_draft`), so its step runs one drafter forward, as vLLM's does
+        self.ahead = self.nodes - 2 if method.ahead is not None else 0
         self.state = _State(*drafter.state_sizes, self.ahead, param.dtype, param.device)  # root hidden (H,), logits
         self.path = min(options.draft_depth, self.nodes - 1) + 1  # longest accepted path, bonus included
         self.capacity = min(target.capacity, drafter.capacity)
@@ -96,23 +97,21 @@ class FusedStep:
         if target.compile:
             graphs.static_buffers(self.state)
         self._host = [torch.zeros(self.path + 1, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
-        self._draw_shapes = self.draw_shapes(self.options, self.nodes, net.config.draft_vocab_size)
+        self._draw_shapes = self.draw_shapes(self.options, self.nodes, net.config.draft_vocab_size, method.at_once)
 
     @staticmethod
-    def draw_shapes(options: DecodeOptions, nodes: int, draft_vocab: int) -> list[tuple[int, ...]]:
+    def draw_shapes(options: DecodeOptions, nodes: int, draft_vocab: int, at_once: bool) -> list[tuple[int, ...]]:
         """The uniforms one step of the reference loop draws, in order: a sampled chain draws each draft
-        (`sample` of (1, Vd)), then the k acceptance tests and the bonus (`verify.sampled_chain_path`); a
+        (`sample` of (1, Vd); all k at once for a method that drafts the chain at once: `tree.chain_from_logits`),
+        then the k acceptance tests and the bonus (`verify.sampled_chain_path`); a
         sampled tree draws every expanded node's children (`tree.sample_candidates`: the root, then top_k
         nodes a level), then per node a test for each child and the bonus (`verify.rejection_tree_tokens`);
         greedy draws nothing."""
         if options.temperature <= 0:
             return []
-        if options.method == "chain":
+        if options.method in CHAIN_METHODS:
             k = nodes - 1
-            return [(1, 1)] * k + [(k,), (1, 1)]
-        if options.method in ("parallel", "dflash"):  # all k drafts drawn at once (`tree.chain_from_logits`)
-            k = nodes - 1
-            return [(k, 1), (k,), (1, 1)]
+            return ([(k, 1)] if at_once else [(1, 1)] * k) + [(k,), (1, 1)]
         k = options.tree_top_k
         return [(1, draft_vocab)] + [(k, draft_vocab)] * (options.depth - 1) + [(nodes, k), (nodes, 1)]
 
@@ -122,12 +121,12 @@ class FusedStep:
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
         source = PreDrawn(draws)
-        if self.ahead:  # P-EAGLE: the chain's logits came with the last extend
+        if self.ahead:  # the chain's logits came with the last extend
             chain = torch.cat([state.logits[None], state.ahead_logits])  # (k, Vd)
             tree, ancestors = chain_from_logits(drafter.net.drafter, chain, state.token, options, vocab_size, source)
         else:
-            tree, ancestors = self.grow(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden, state.logits,
-                                        state.token, m, options, vocab_size, source)
+            tree, ancestors = self.method.grow(graphs.GraphSteps(drafter, m), drafter.net.drafter, state.hidden,
+                                               state.logits, state.token, m, options, vocab_size, source)
         n = tree.tokens.shape[0]
         offsets = torch.arange(n, device=m.device)
         mask = tree_mask(target._columns, m, ancestors)[None, None]
@@ -173,9 +172,9 @@ class FusedStep:
         state.token.copy_(root_token)
         state.length.fill_(length)
         if self.ahead:  # the first chain's mask slots (later ones come with each step's extend)
-            state.ahead_logits.copy_(parallel_logits(graphs.GraphSteps(self.drafter, state.length),
-                                                     self.drafter.net.drafter, root_logits, state.length,
-                                                     self.ahead + 1)[1:])
+            state.ahead_logits.copy_(self.method.ahead(graphs.GraphSteps(self.drafter, state.length),
+                                                       self.drafter.net.drafter, root_logits, state.length,
+                                                       self.ahead + 1))
         queued: deque = deque()  # (host buffer, event) of launched steps not yet read
         done, confirmed, launched = False, length, 0
         while not done:

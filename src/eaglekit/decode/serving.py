@@ -1,6 +1,6 @@
 """The speculative generation engine behind `eaglekit serve drafter=DIR`.
 
-Implements the engine interface of `eaglekit.target.server` (encode_chat, decode, text_stream, generate,
+Implements the engine interface of `eaglekit.generation.server` (encode_chat, decode, text_stream, generate,
 generate_many, metrics): tokenisation is the HF backend's, generation is `eaglekit.decode.Decoder`
 (batch 1; a batch of queued requests is decoded one after another). `metrics()` reports cumulative
 acceptance: tau and acceptance per draft position, shown under "engine" on `/metrics`; each
@@ -16,7 +16,7 @@ import torch
 
 from eaglekit.decode import Decoder
 from eaglekit.decode.engine import DecodeOptions, DecodeStats
-from eaglekit.target.backends import EngineOutput, HFBackend
+from eaglekit.generation.backends import EngineOutput, HFBackend
 
 
 class SpeculativeEngine:

@@ -17,7 +17,7 @@ def check_drafter_path(path: str) -> None:
     """Refuse a drafter path that is not there, before any target is loaded (a large one takes minutes)."""
     from pathlib import Path
 
-    from eaglekit.target.loading import missing_path_error
+    from eaglekit.targets.loading import missing_path_error
 
     if not Path(path).exists():
         raise missing_path_error(
@@ -28,8 +28,7 @@ def check_drafter_path(path: str) -> None:
 def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype, target_name: str = ""):
     """An eaglekit drafter on `device`, checked against `target` (refused when made for a structurally different
     one); a drafter saved without its embedding gets the target's. `target_name` defaults to the loaded path."""
-    from eaglekit.drafters.eagle3.build import load_saved_drafter
-    from eaglekit.training.setup import check_drafter_target
+    from eaglekit.formats.saved import check_drafter_target, load_saved_drafter
 
     check_drafter_path(path)
     drafter = load_saved_drafter(path, device=device, dtype=dtype).eval()  # the class of its saved drafter_type

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import text_config
+from eaglekit.targets.capture import text_config
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # models whose attention reads `config.sliding_window` in every layer, whatever `layer_types` says

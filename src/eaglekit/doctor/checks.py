@@ -6,6 +6,7 @@ Every fact in a report names the file and line it was read from, so a user can c
 from __future__ import annotations
 
 import ast
+import re
 from typing import Any
 
 from eaglekit.doctor.facts import (
@@ -16,6 +17,7 @@ from eaglekit.doctor.serving import check_embedding, embedding_lookup
 from eaglekit.doctor.source import EngineSource
 from eaglekit.doctor.pysource import ClassInfo, ModuleIndex
 
+ALLOW_LIST_NAME = re.compile(r"eagle3.*supported")  # vLLM's list names: eagle3_target_supported, ...
 SGLANG_METHODS = ("set_eagle3_layers_to_capture", "get_embed_and_head")
 
 
@@ -63,7 +65,7 @@ def vllm_allow_list(index: ModuleIndex, target: Target) -> dict[str, Any] | None
             if not isinstance(node, ast.Assign) or not isinstance(node.value, (ast.List, ast.Tuple)):
                 continue
             names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            if not any("eagle3" in n and "supported" in n for n in names):
+            if not any(ALLOW_LIST_NAME.search(n) for n in names):
                 continue
             values = [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
             passes = None if target.model_type is None else any(v in target.model_type for v in values)

@@ -69,7 +69,7 @@ def read_target(target: str) -> Target:
 def _hub_or_tiny_config(target: str) -> Path:
     """The config.json of the built-in tiny target or of a hub model (its cached snapshot's, else downloaded); a
     local-looking path that is not there, or a hub model that cannot be had, is one EaglekitError with the fix."""
-    from eaglekit.target.loading import locate_target
+    from eaglekit.targets.loading import locate_target
 
     try:
         located = locate_target(target)

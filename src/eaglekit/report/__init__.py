@@ -83,7 +83,7 @@ def _online_data_stats(out: Path, train: dict[str, Any]) -> dict[str, Any] | Non
     config = train.get("config") or {}
     try:
         from eaglekit.training.data import conversation_records
-        from eaglekit.target.loading import load_tokenizer
+        from eaglekit.targets.loading import load_tokenizer
 
         tokenizer = load_tokenizer(config["target"], trust_remote_code=bool(config.get("trust_remote_code")))
         records = conversation_records(tuple(config["data"]), tokenizer, int(config["max_length"]),
@@ -370,7 +370,7 @@ def _served_target(info: dict[str, Any]) -> str:
     """The target as an engine must be given it: the built-in 'tiny' and relative paths become absolute."""
     target = (info["run"].get("config") or {}).get("target", "TARGET")
     if target == "tiny":
-        from eaglekit.target.loading import tiny_target_path
+        from eaglekit.targets.loading import tiny_target_path
 
         return str(tiny_target_path())
     return str(Path(target).resolve()) if Path(target).exists() else target

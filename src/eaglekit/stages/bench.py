@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eaglekit import registry
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.config.decode import CHAIN_METHODS, DecodeOptions
 from eaglekit.errors import EaglekitError
@@ -39,9 +40,8 @@ log = logging.getLogger(__name__)
 
 POSITIONAL = ("prompts",)
 DEFAULT_METHODS = ("plain", "hf", "hf_assisted", "hf_prompt_lookup", "chain", "tree")
-# parallel: a P-EAGLE drafter's chain drafted in one forward; dflash: a DFlash drafter's block
-ALL_METHODS = (*DEFAULT_METHODS, "parallel", "dflash")
-DRAFTER_METHODS = ("chain", "tree", "parallel", "dflash")  # need drafter=
+DRAFTER_METHODS = registry.method_names()  # need drafter=: every drafter type's methods
+ALL_METHODS = tuple(dict.fromkeys((*DEFAULT_METHODS, *DRAFTER_METHODS)))
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ class Config:
     output: str = option("runs/bench", "directory for bench.json, bench.md, bench.png")
     overwrite: bool = option(False, "write into an output directory that is not empty and was not written by bench")
     methods: tuple[str, ...] = option(DEFAULT_METHODS, "methods to measure (subset of: " + ", ".join(ALL_METHODS) +
-                                      "; parallel needs a p-eagle drafter, dflash a dflash one)")
+                                      "; each drafting method needs a drafter of a type that drafts with it: " +
+                                      ", ".join(f"{m} {'/'.join(registry.types_drafting(m))}" for m in DRAFTER_METHODS)
+                                      + ")")
     temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures to measure at")
     num_prompts: int = option(0, "use the first N prompts (0 = all)")
     max_new_tokens: int = option(128, "tokens generated per prompt")
@@ -250,7 +252,7 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
     from eaglekit.decode.setup import eos_ids, load_drafter, resolve_backend
     from eaglekit.manifest import atomic_write_json
     from eaglekit.runtime import resolve_device, resolve_dtype
-    from eaglekit.target.loading import load_target
+    from eaglekit.targets.loading import load_target
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -276,7 +278,7 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
 def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -> list[dict[str, Any]]:
     """The real vLLM's rows; a refusal or a dead server becomes one failed row (eaglekit's rows are kept)."""
     from eaglekit.vllm.bench import EAGLE3, measure, speculative_row
-    from eaglekit.target.loading import local_model_dir
+    from eaglekit.targets.loading import local_model_dir
 
     name = EAGLE3  # the failed row is named as the run it stands for, once the drafter's type is read
     try:
@@ -294,7 +296,7 @@ def run(config: Config) -> dict[str, Any]:
     from eaglekit.data import prompt_messages, read_conversations
     from eaglekit.decode.setup import prompt_ids
     from eaglekit.manifest import atomic_write_json, atomic_write_text, claim_output, environment, write_manifest
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     methods = _check(config)  # the options alone (also `eaglekit run`'s pre-flight, before train writes the drafter)
     if config.drafter:
@@ -303,7 +305,7 @@ def run(config: Config) -> dict[str, Any]:
         check_drafter_path(config.drafter)
     if methods:  # chain/tree on layers they cannot run, backend=static off its models: refused before measuring
         from eaglekit.preflight import check_decoding
-        from eaglekit.target.loading import load_target_config
+        from eaglekit.targets.loading import load_target_config
 
         check_decoding(load_target_config(config.target, trust_remote_code=config.trust_remote_code), methods,
                        config.backend, config.target)
@@ -313,7 +315,7 @@ def run(config: Config) -> dict[str, Any]:
 
         engine = find_engine(config.vllm_python, config.vllm_version_check)
         from eaglekit.vllm.bench import check_served
-        from eaglekit.target.loading import local_model_dir
+        from eaglekit.targets.loading import local_model_dir
 
         check_served(engine, local_model_dir(config.target))
     conversations = read_conversations(config.prompts)

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from eaglekit import registry
 from eaglekit.config import option
 from eaglekit.errors import EaglekitError
 
@@ -46,14 +47,14 @@ class Config:
     overwrite: bool = option(False, "--fix: write the plugin's project folder even where something other than an "
                                     "earlier --fix wrote it")
     drafter_type: str = option("", "with --engine: also say whether that engine release serves this drafter type",
-                               choices=("", "eagle3", "p-eagle", "dflash"))
+                               choices=("", *registry.names()))
     json: bool = option(False, "print the report as JSON")
     trust_remote_code: bool = option(False, "target report: allow the target's own modelling code")
 
 
 def _target_report(config: Config) -> dict[str, Any]:
     try:
-        from eaglekit.target.inspection import format_target_report, target_report
+        from eaglekit.targets.inspection import format_target_report, target_report
     except ImportError as error:  # written by the capture part; not there in every checkout
         raise EaglekitError(f"the target report is not available in this install ({error}); use "
                             "--engine vllm|sglang") from None

@@ -70,8 +70,8 @@ def _check_replacing(output: Path, made_from: dict[str, Any], overwrite: bool) -
 def run(config: Config) -> dict[str, Any]:
     import torch
 
-    from eaglekit.drafters.eagle3.model import Eagle3Drafter
-    from eaglekit.drafters.eagle3.convert import export_drafter
+    from eaglekit import registry
+    from eaglekit.formats.saved import load_saved_drafter, saved_drafter_type
     from eaglekit.manifest import claim_output, file_sha256, write_errors, write_manifest
 
     if not config.drafter:
@@ -80,79 +80,30 @@ def run(config: Config) -> dict[str, Any]:
     output = Path(config.output or f"{source.as_posix().rstrip('/')}-{config.to}")
     if output.resolve() == source.resolve():
         raise EaglekitError("output must differ from the drafter directory; pass output=<new dir>")
-    from eaglekit.drafters.eagle3.build import saved_drafter_type
-
-    if saved_drafter_type(source) == "dflash":
-        return _run_dflash(config, source, output)
-    drafter = Eagle3Drafter.from_pretrained(source)
+    kind = registry.get(saved_drafter_type(source))
+    if config.to not in kind.export_formats:
+        layouts = " or --to ".join(kind.export_formats)
+        raise EaglekitError(f"{source} is a {kind.name} drafter: it exports --to {layouts} ({config.to} serves no "
+                            f"{kind.name} drafter)")
+    drafter = load_saved_drafter(source)
     made_from = _made_from(config, source)
     _check_replacing(output, made_from, config.overwrite)
     claim_output(output, "export", config.overwrite)
     (output / "manifest.json").unlink(missing_ok=True)  # its presence means "finished": not while files change
     dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
     with write_errors(output, "exported checkpoint"):
-        summary = export_drafter(
-            drafter,
-            output,
-            config.to,
-            dtype=dtype,
-            include_embedding=config.include_embedding,
-            speculative_tokens=config.speculative_tokens,
-        )
+        summary = kind.export(drafter, output, config.to, dtype=dtype, include_embedding=config.include_embedding,
+                              speculative_tokens=config.speculative_tokens)
         save_resolved(config, output, name="eaglekit_export.yaml")
-        write_manifest(
-            output,
-            "export",
-            {"source": str(source), "made_from": made_from, "summary": summary,
-             "weights_sha256": file_sha256(output / "model.safetensors")},
-        )
-    log.info(
-        "wrote %s checkpoint to %s (aux ids as written: %s; probe logits max diff %.3g)",
-        config.to,
-        output,
-        summary["config_aux_layer_ids"],
-        summary["max_logit_difference"],
-    )
-    print(
-        f"exported {source} -> {output} ({config.to}); aux layer ids written: {summary['config_aux_layer_ids']} "
-        f"(input-of-layer: {summary['aux_layer_ids_input_of_layer']}); re-import matched the source logits"
-    )
+        write_manifest(output, "export", {"source": str(source), "made_from": made_from, "summary": summary,
+                                          "weights_sha256": file_sha256(output / "model.safetensors")})
+    log.info("wrote %s checkpoint of a %s drafter to %s (probe logits max diff %.3g)", config.to, kind.name, output,
+             summary["max_logit_difference"])
+    print(kind.export_note(summary, source, output))
     if config.to == "vllm":  # what vLLM checks of the target when it loads the drafter, where this vLLM can be read
         from eaglekit.doctor.diagnose import vllm_serving_note
 
         note = vllm_serving_note(drafter.config.target_name_or_path, drafter.config.target_architecture)
         if note:
             log.warning("%s", note)
-    return summary
-
-
-def _run_dflash(config: Config, source: Path, output: Path) -> dict[str, Any]:
-    """A DFlash drafter in vLLM's or speculators' DFlash layout (`eaglekit.drafters.dflash.formats`), verified by
-    re-import; the embedding is never written (both engines share the target's)."""
-    import torch
-
-    from eaglekit.drafters.dflash.model import DFlashDrafter
-    from eaglekit.drafters.dflash.formats import export_dflash
-    from eaglekit.manifest import claim_output, file_sha256, write_errors, write_manifest
-
-    if config.to not in ("vllm", "speculators"):
-        raise EaglekitError(f"{source} is a DFlash drafter: it exports --to vllm or --to speculators ({config.to} "
-                            "serves no DFlash drafter)")
-    drafter = DFlashDrafter.from_pretrained(source)
-    made_from = _made_from(config, source)
-    _check_replacing(output, made_from, config.overwrite)
-    claim_output(output, "export", config.overwrite)
-    (output / "manifest.json").unlink(missing_ok=True)
-    dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
-    with write_errors(output, "exported checkpoint"):
-        summary = export_dflash(drafter, output, config.to, dtype=dtype)
-        save_resolved(config, output, name="eaglekit_export.yaml")
-        write_manifest(output, "export", {"source": str(source), "made_from": made_from, "summary": summary,
-                                          "weights_sha256": file_sha256(output / "model.safetensors")})
-    print(f"exported {source} -> {output} ({config.to}, DFlash); target_layer_ids (output-of-layer) "
-          f"{summary['target_layer_ids']}, mask token {summary['mask_token_id']}, block {summary['block_size']}; "
-          "re-import matched the source logits")
-    if config.to == "vllm":
-        print(f"serve: vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": \"{output}\", "
-              f"\"num_speculative_tokens\": {drafter.config.block_size - 1}}}'")
     return summary

@@ -13,8 +13,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from eaglekit import registry
 from eaglekit.config import option, to_dict
-from eaglekit.config.decode import DecodeOptions
+from eaglekit.config.decode import METHODS, DecodeOptions
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ class Config:
     prompt: str = option("", "the user message")
     chat: bool = option(True, "wrap the prompt in the tokenizer's chat template (when it has one)")
     max_new_tokens: int = option(128, "tokens to generate at most")
-    method: str = option("tree", "decoding method (parallel: a P-EAGLE drafter's chain, dflash: a DFlash drafter's "
-                               "block)", choices=("tree", "chain", "plain", "parallel", "dflash"))
+    method: str = option("tree", "decoding method: plain, or one the drafter's type drafts with (" +
+                         "; ".join(f"{name}: {method.summary}" for name, (method, _) in registry.all_methods().items())
+                         + ")", choices=METHODS)
     temperature: float = option(0.0, "0 = greedy; > 0 samples with the speculative-sampling rule "
                                      "(output follows the target)")
     top_p: float = option(1.0, "nucleus sampling threshold (1 = off)")
@@ -55,7 +57,7 @@ def run(config: Config) -> dict[str, Any]:
     from eaglekit.decode.setup import check_drafter_path, eos_ids, load_drafter, prompt_ids, resolve_backend
     from eaglekit.manifest import atomic_write_json, check_output_file, environment
     from eaglekit.runtime import resolve_device, resolve_dtype
-    from eaglekit.target.loading import load_target, load_tokenizer
+    from eaglekit.targets.loading import load_target, load_tokenizer
 
     if not config.prompt:
         raise EaglekitError('no prompt given: eaglekit generate "your prompt" (or prompt=...)')

@@ -85,7 +85,7 @@ def _print_summary(totals: dict[str, Any]) -> None:
 
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.data import load_conversations, tokenize_conversation
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     if not config.data:
         raise EaglekitError("no data given: eaglekit inspect FILE.jsonl --target DIR")

@@ -13,7 +13,7 @@ Outputs in `output/`: `conversations.jsonl` (append-only, one finished record pe
 messages with `id` and a `regen` metadata object; flushed and fsynced per line), `failures.jsonl`
 (records that failed; retried on the next run), `stats.json`, `config.yaml` (resolved, API key
 redacted), `settings.json` (what a resumed run must match), `manifest.json` once every record is done.
-The turn plan, the resumable JSONL files and the job loops are `eaglekit.target.regen`.
+The turn plan, the resumable JSONL files and the job loops are `eaglekit.generation.regen`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 from eaglekit.config import option, save_resolved
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import atomic_write_json, file_sha256, write_manifest
-from eaglekit.target.backends import BackendError, HFBackend, OpenAIBackend, SamplingParams
-from eaglekit.target.regen import (
+from eaglekit.generation.backends import BackendError, HFBackend, OpenAIBackend, SamplingParams
+from eaglekit.generation.regen import (
     FAILURES_FILE,
     OUTPUT_FILE,
     Pending,

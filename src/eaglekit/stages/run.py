@@ -99,7 +99,7 @@ def resolve_data_path(value: str) -> str:
 
 def _target_inputs(target: str) -> tuple[str, ...]:
     """The target's local folder (fingerprinted into every key), or nothing for a hub id."""
-    from eaglekit.target.loading import resolve_target
+    from eaglekit.targets.loading import resolve_target
 
     resolved = resolve_target(target)
     return (resolved,) if Path(resolved).is_dir() else ()
@@ -145,13 +145,14 @@ def _check(config: Config) -> tuple[str, ...]:
 
 def _drafter_types(config: Config) -> tuple[str, ...]:
     """The drafter types this run trains, the run's own drafter first: `drafter_types`, else train.drafter_type."""
-    from eaglekit.config.train import DRAFTER_TYPES
+    from eaglekit import registry
 
     kinds = config.drafter_types or (config.train.drafter_type,)
-    unknown = [k for k in kinds if k not in DRAFTER_TYPES]
+    unknown = [k for k in kinds if k not in registry.names()]
     if unknown or len(set(kinds)) != len(kinds):
-        raise EaglekitError(f"drafter_types={','.join(kinds)}: name each of {', '.join(DRAFTER_TYPES)} at most once")
-    if config.drafter_types and config.train.drafter_type not in ("eagle3", kinds[0]):
+        raise EaglekitError(f"drafter_types={','.join(kinds)}: name each of {', '.join(registry.names())} at most "
+                            "once")
+    if config.drafter_types and config.train.drafter_type not in (_train.Config().drafter_type, kinds[0]):
         raise EaglekitError(f"train.drafter_type={config.train.drafter_type} and drafter_types={','.join(kinds)} "
                             "disagree on the run's drafter: drop train.drafter_type (the first of drafter_types is "
                             "the run's drafter)")
@@ -273,10 +274,13 @@ def plan(config: Config) -> list[Step]:
 
 def _other_train_step(config: Config, train: Any, kind: str, out: Path, after: tuple[str, ...],
                       inputs: tuple[str, ...]) -> Step:
-    """A further drafter type trained on the run's data into train-<kind>/: P-EAGLE starts from the run's EAGLE-3
-    drafter (the usual recipe) unless train.init_from is set; the other options are the train section's."""
+    """A further drafter type trained on the run's data into train-<kind>/: a type that starts from another
+    (`starts_from`: P-EAGLE from EAGLE-3, the usual recipe) starts from the run's drafter when that is of the type,
+    unless train.init_from is set; the other options are the train section's."""
+    from eaglekit import registry
+
     folder = out / f"train-{kind}"
-    from_run = kind == "p-eagle" and train.drafter_type == "eagle3" and not config.train.init_from
+    from_run = registry.get(kind).starts_from == train.drafter_type and not config.train.init_from
     other = dataclasses.replace(train, drafter_type=kind, output=str(folder),
                                 init_from=str(out / "train") if from_run else train.init_from)
     return Step(f"train-{kind}", folder, lambda: other, _execute("train", config.train_processes, folder),
@@ -320,38 +324,41 @@ def _later_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple
     return steps
 
 
-SGLANG_TYPES = ("eagle3",)  # drafter types SGLang serves (no parallel drafting, no DFlash drafter)
-
-
 def _export_formats(config: Config) -> tuple[str, ...]:
-    """The layouts to export: left at the default, those the trained drafter type has (no sglang for p-eagle or
-    dflash); sglang asked for by name with such a type is one error before any stage runs."""
-    kind = _drafter_types(config)[0]
-    if kind in SGLANG_TYPES or "sglang" not in config.export_formats:
+    """The layouts to export: left at the default, those the trained drafter type exports to (no sglang for
+    p-eagle or dflash); a layout asked for by name that the type has not is one error before any stage runs."""
+    from eaglekit import registry
+
+    kind = registry.get(_drafter_types(config)[0])
+    lacking = [f for f in config.export_formats if f not in kind.export_formats]
+    if not lacking:
         return config.export_formats
+    kept = tuple(f for f in config.export_formats if f in kind.export_formats)
     if config.export_formats != Config().export_formats:
-        raise EaglekitError(f"export_formats includes sglang, which serves no {kind} drafter: drop it "
-                            f"(export_formats={','.join(f for f in config.export_formats if f != 'sglang')})")
-    return tuple(f for f in config.export_formats if f != "sglang")
+        raise EaglekitError(f"export_formats includes {','.join(lacking)}, which serves no {kind.name} drafter: drop "
+                            f"it (export_formats={','.join(kept)})")
+    return kept
 
 
 def _bench_for(config: Config, bench: Any, kind: str, also: bool = False) -> dict[str, Any]:
-    """The bench section's methods and chain length for a drafter of type `kind`. Left at their defaults: eagle3
-    keeps them; another type gets plain and every method it drafts (p-eagle: parallel, chain, tree side by side;
-    dflash: dflash, over the whole block: chain_length = block_size - 1). A further type of `drafter_types` (`also`)
-    gets every method it drafts and nothing else (bench.methods is the run's drafter's): its speed-up is over the
-    run bench's plain decoding."""
-    from eaglekit.decode.methods import METHODS_OF_TYPE
+    """The bench section's methods and chain length for a drafter of type `kind`. Left at their defaults: a type
+    whose methods bench measures by default (eagle3: chain, tree) keeps them; another type gets plain and every
+    method it drafts (p-eagle: parallel, chain, tree side by side; dflash: dflash), with the options its type sets
+    (dflash: over the whole block, chain_length = block_size - 1). A further type of `drafter_types` (`also`) gets
+    every method it drafts and nothing else (bench.methods is the run's drafter's): its speed-up is over the run
+    bench's plain decoding."""
+    from eaglekit import registry
 
-    default, own = _bench.Config(), METHODS_OF_TYPE[kind]
+    default, kind_type = _bench.Config(), registry.get(kind)
+    own = kind_type.methods
     if also:
         chosen: dict[str, Any] = {"methods": own}
-    elif kind == "eagle3":
+    elif set(own) <= set(default.methods):
         return {}
     else:
         chosen = {"methods": _inherit(bench, default, "methods", ("plain", *own))}
-    if kind == "dflash":
-        chosen["chain_length"] = _inherit(bench, default, "chain_length", config.train.block_size - 1)
+    for key, value in kind_type.bench_options(config.train).items():
+        chosen[key] = _inherit(bench, default, key, value)
     return chosen
 
 
@@ -360,7 +367,7 @@ def _doctor_target(target: str) -> str:
     hub model's config.json."""
     from huggingface_hub import hf_hub_download
 
-    from eaglekit.target.loading import locate_target
+    from eaglekit.targets.loading import locate_target
 
     located = locate_target(target)
     return located if Path(located).exists() else hf_hub_download(located, "config.json")
@@ -397,7 +404,7 @@ def run(config: Config) -> dict[str, Any]:
     from eaglekit.manifest import atomic_write_json, claim_output
     from eaglekit.preflight import check_steps
     from eaglekit.report import headline_text, write_report
-    from eaglekit.target.loading import locate_target
+    from eaglekit.targets.loading import locate_target
 
     steps = plan(config)
     locate_target(config.target)  # a hub id neither served nor cached: one error now, not after training

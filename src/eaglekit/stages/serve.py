@@ -16,11 +16,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglekit import registry
 from eaglekit.config import option
 from eaglekit.config.decode import DecodeOptions
 from eaglekit.errors import EaglekitError
-from eaglekit.target.backends import HFBackend
-from eaglekit.target.server import ChatServer, GenerationEngine
+from eaglekit.generation.backends import HFBackend
+from eaglekit.generation.server import ChatServer, GenerationEngine
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ class Config:
     drafter: str = option(
         "", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics"
     )
-    method: str = option("tree", "with drafter: speculative decoding method (parallel: P-EAGLE, dflash: DFlash "
-                                 "drafters)", choices=("tree", "chain", "parallel", "dflash"))
+    method: str = option("tree", "with drafter: speculative decoding method, one the drafter's type drafts with",
+                         choices=registry.method_names())
     chain_length: int = option(
         DecodeOptions.chain_length, "with drafter, method=chain: draft tokens per target forward"
     )

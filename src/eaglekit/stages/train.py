@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 drafter with training-time test (offline from extract shards, or online).
+"""Train a drafter (EAGLE-3 with training-time test, or another drafter_type), offline from extract shards or online.
 
     eaglekit train target=PATH shards=runs/extract output=runs/drafter            # offline
     eaglekit train target=PATH data=train.jsonl output=runs/drafter               # online (no disk)
@@ -21,6 +21,5 @@ Config = TrainConfig  # the options live with the library (eaglekit.config.train
 
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.training.loop import train
-    from eaglekit.drafters.eagle3.convert import load_drafter  # init_from in any layout eaglekit reads
 
-    return train(config, read_drafter=load_drafter)
+    return train(config)  # init_from in any layout a drafter type reads

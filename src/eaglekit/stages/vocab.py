@@ -21,7 +21,7 @@ from eaglekit.manifest import file_sha256, write_manifest
 if TYPE_CHECKING:  # torch is imported by the functions that count, so `eaglekit vocab --help` stays fast
     import torch
 
-    from eaglekit.drafters.vocab import VocabMapping
+    from eaglekit.training.vocab import VocabMapping
 
 log = logging.getLogger(__name__)
 POSITIONAL = ("data",)
@@ -33,7 +33,7 @@ class Config:
     shards: str = option("", "an `extract` output directory to count tokens in (instead of data)")
     target: str = option("", "target model (path, hub id or 'tiny'): its tokenizer and vocabulary size")
     output: str = option("", "output directory for vocab.safetensors")
-    # 32000 = eaglekit.drafters.vocab.DEFAULT_SIZE, written out to keep torch out of `--help` (tests/test_cli.py checks)
+    # 32000 = eaglekit.training.vocab.DEFAULT_SIZE, written out to keep torch out of `--help` (tests/test_cli.py checks)
     size: int = option(32000, "draft vocabulary size N (the whole target vocabulary if smaller)")
     max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training)")
     chat_template: str = option("", "chat template (Jinja text or .jinja file) overriding the tokenizer's")
@@ -47,7 +47,7 @@ def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]
     """(input_ids, loss_mask) of every conversation with assistant tokens, through the data layer and the target
     tokenizer."""
     from eaglekit.data import read_conversations, tokenize_conversations
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
     tokenized = tokenize_conversations(tokenizer, read_conversations(list(config.data)), config.max_length,
@@ -56,8 +56,8 @@ def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]
 
 
 def target_vocab_size(config: Config) -> int:
-    from eaglekit.target.capture import text_config
-    from eaglekit.target.loading import load_target_config
+    from eaglekit.targets.capture import text_config
+    from eaglekit.targets.loading import load_target_config
 
     target_config = load_target_config(config.target, trust_remote_code=config.trust_remote_code)
     return int(text_config(target_config).vocab_size)
@@ -65,13 +65,13 @@ def target_vocab_size(config: Config) -> int:
 
 def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
     """Token counts (V,) from shards or conversations, and where they came from."""
-    from eaglekit.drafters.vocab import count_tokens
+    from eaglekit.training.vocab import count_tokens
 
     if bool(config.shards) == bool(config.data):
         raise EaglekitError("give exactly one source: data=FILES (conversations) or shards=DIR (extract output)")
     if config.shards:
         from eaglekit.training.data import shard_tokens
-        from eaglekit.target.store import HiddenStateDataset
+        from eaglekit.targets.store import HiddenStateDataset
 
         dataset = HiddenStateDataset(config.shards)
         vocab_size = int(dataset.manifest["vocab_size"])
@@ -88,12 +88,12 @@ def count(config: Config) -> tuple[torch.Tensor, dict[str, Any]]:
 
 def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
     """The mapping to write: the init_from drafter's (kept) or the top-N of `counts` (built)."""
-    from eaglekit.drafters.vocab import VocabMapping, mapping_from_drafter, select_vocab
+    from eaglekit.training.vocab import VocabMapping, mapping_from_drafter, select_vocab
 
     if config.init_from and not config.rebuild:
-        from eaglekit.drafters.eagle3.model import Eagle3Drafter
+        from eaglekit.formats.saved import load_saved_drafter
 
-        mapping = mapping_from_drafter(Eagle3Drafter.from_pretrained(config.init_from))
+        mapping = mapping_from_drafter(load_saved_drafter(config.init_from))
         if mapping.vocab_size != counts.numel():
             raise EaglekitError(f"drafter {config.init_from} targets a vocabulary of {mapping.vocab_size}, the data "
                                 f"has {counts.numel()}: wrong drafter or target")
@@ -102,7 +102,7 @@ def choose(config: Config, counts: torch.Tensor) -> tuple[VocabMapping, str]:
 
 
 def run(config: Config) -> dict[str, Any]:
-    from eaglekit.drafters.vocab import VOCAB_FILE, save_vocab
+    from eaglekit.training.vocab import VOCAB_FILE, save_vocab
 
     from eaglekit.manifest import claim_output
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from eaglekit.drafters.eagle3.ttt import soft_labels_from_hidden
-from eaglekit.target.output_head import LogitTransform, logit_transform
+from eaglekit.training.objective import soft_labels_from_hidden
+from eaglekit.targets.output_head import LogitTransform, logit_transform
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)

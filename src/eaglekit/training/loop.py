@@ -1,6 +1,6 @@
-"""The drafter training loop: TTT loss, AdamW + warmup/cosine, grad clipping and accumulation, bf16
-autocast, length-bucketed batches, validation (loss/accuracy per TTT position, tau estimate), exact
-resume, NaN stop, and torchrun DDP / FSDP2.
+"""The drafter training loop, whatever the drafter type: its objective (`registry` -> the type's TTT, mask-slot or
+block loss), AdamW + warmup/cosine, grad clipping and accumulation, bf16 autocast, length-bucketed batches,
+validation (loss/accuracy per drafted position, tau estimate), exact resume, NaN stop, and torchrun DDP / FSDP2.
 
 `train(config)` takes an `eaglekit.config.train.TrainConfig`. Setup (target, data, drafter) is in `setup`;
 `Trainer` owns the optimisation state and the loop.
@@ -24,13 +24,13 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from eaglekit import registry
 from eaglekit.config import config_hash, save_resolved, to_dict
-from eaglekit.training import checkpoint as ckpt
-from eaglekit.training.data import epoch_batches, mean_mask_counts, split_indices
-from eaglekit.drafters.eagle3.model import Eagle3Drafter
-from eaglekit.drafters.eagle3.ttt import TTTModule, expected_acceptance, step_weights
-from eaglekit.errors import EaglekitError
 from eaglekit.config.train import TrainConfig
+from eaglekit.errors import EaglekitError
+from eaglekit.training import checkpoint as ckpt
+from eaglekit.training.data import epoch_batches, split_indices
+from eaglekit.training.objective import expected_acceptance, step_weights
 
 log = logging.getLogger(__name__)
 MIN_VALIDATION_RECORDS = 20  # fewer: a warning that the validation figures are noise
@@ -75,21 +75,6 @@ def all_reduce(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
     return tensor
 
 
-def objective_module(config: TrainConfig, drafter: nn.Module, attention: str) -> nn.Module:
-    """The training objective of `config.drafter_type` over `drafter` (the contract in `TTTModule`)."""
-    if config.drafter_type == "p-eagle":
-        from eaglekit.drafters.p_eagle.train import ParallelModule
-
-        return ParallelModule(drafter, config.ttt_steps, config.step_decay, attention)
-    if config.drafter_type == "dflash":
-        from eaglekit.drafters.dflash.train import DFlashObjective
-
-        return DFlashObjective(drafter, config.num_anchors, config.step_decay, attention, config.seed)
-    if config.drafter_type != "eagle3":
-        raise EaglekitError(f"drafter_type={config.drafter_type} has no training objective in this eaglekit")
-    return TTTModule(drafter, config.ttt_steps, config.step_decay, attention)
-
-
 def summarize(sums: torch.Tensor, decay: float) -> dict[str, Any]:
     """sums (4, K) = loss_sums, correct, train_counts, accuracy_counts -> metrics."""
     loss_sums, correct, train_counts, acc_counts = sums.double().cpu()
@@ -125,7 +110,7 @@ class Position:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, d: Dist, drafter: Eagle3Drafter, source: Any, identity: dict[str, Any],
+    def __init__(self, config: TrainConfig, d: Dist, drafter: nn.Module, source: Any, identity: dict[str, Any],
                  step_callback: Callable[[int, Any], None] | None = None):
         self.config, self.d, self.drafter, self.source, self.identity = config, d, drafter, source, identity
         self.step_callback = step_callback
@@ -144,10 +129,14 @@ class Trainer:
             raise EaglekitError(f"{len(self.train_idx)} training records are fewer than one batch of "
                                 f"{config.batch_size * d.world} (batch_size x processes); lower batch_size or add data")
         self.steps_per_epoch = math.ceil(self.micro_batches / config.grad_accum)
+        attention = config.attention if config.attention != "auto" else "sdpa"
+        # the drafter type's objective (`eaglekit.training.objective`), unwrapped: its num_positions, masks, counts
+        self.objective = registry.get(config.drafter_type).objective(config, drafter, attention)
         # step_weighting=tokens: loss sums are divided by the mean count of a global micro-batch, not by its own
-        self.record_counts = (mean_mask_counts(source.tokens, self.train_idx, config.max_length,
-                                               config.ttt_steps).to(d.device)
-                              if config.step_weighting == "tokens" and config.drafter_type != "dflash" else None)
+        # (objectives whose positions are sampled blocks have no per-record count: their own counts then)
+        counts = (self.objective.mean_counts(source.tokens, self.train_idx, config.max_length)
+                  if config.step_weighting == "tokens" else None)
+        self.record_counts = None if counts is None else counts.to(d.device)
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
         if d.main:
             log.info("training %d optimizer steps: %s", self.total_steps, self._schedule_note())
@@ -176,14 +165,13 @@ class Trainer:
         return f"{c.epochs} epoch(s) x {per_epoch} steps over {len(self.train_idx)} training records"
 
     # --- setup --------------------------------------------------------------------------------
-    def _wrap(self, drafter: Eagle3Drafter) -> nn.Module:
-        attention = self.config.attention if self.config.attention != "auto" else "sdpa"
-        module: nn.Module = objective_module(self.config, drafter.to(self.d.device), attention)
-        self.objective = module  # unwrapped: its num_positions and masks
+    def _wrap(self, drafter: nn.Module) -> nn.Module:
+        module: nn.Module = self.objective.to(self.d.device)
         if self.d.world > 1 and self.config.distributed == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(drafter.midlayer)
+            for unit in drafter.shard_units():  # its decoder layers, then the rest with the objective
+                fully_shard(unit)
             fully_shard(module)
         elif self.d.world > 1:
             module = nn.parallel.DistributedDataParallel(module, device_ids=[self.d.device]
@@ -391,14 +379,12 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
 
 
 def train(config: TrainConfig, step_callback: Callable[[int, Any], None] | None = None,
-          read_drafter: Callable[[str, int], Eagle3Drafter] | None = None) -> dict[str, Any]:
+          read_drafter: Callable[[str, int], Any] | None = None) -> dict[str, Any]:
     """Run a training stage to completion (see the module docstring). `read_drafter(path, target_layers)` loads
-    `init_from` (default: eaglekit's own format; `eaglekit train` passes
-    `eaglekit.drafters.eagle3.convert.load_drafter`)."""
-    from eaglekit.drafters.eagle3.build import load_drafter
-    from eaglekit.training.setup import finish, setup
-
+    `init_from` (default: any layout a drafter type reads, `eaglekit.formats.saved.load_drafter`)."""
+    from eaglekit.formats.saved import load_drafter
     from eaglekit.manifest import write_errors
+    from eaglekit.training.setup import finish, setup
 
     d = setup_distributed(config.device)
     with write_errors(config.output, "training checkpoints and drafter"), contextlib.ExitStack() as stack:

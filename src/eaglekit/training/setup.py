@@ -8,24 +8,35 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from eaglekit.drafters.eagle3.build import (
-    DrafterReader,
-    load_drafter,
-    load_target_embeddings,
-    load_target_head_bias,
-    prepare_drafter,
-)
-from eaglekit.training.data import OfflineSource, OnlineSource, conversation_records, shard_tokens
-from eaglekit.drafters.eagle3.model import INPUT_OF_LAYER, Eagle3Drafter
-from eaglekit.drafters.vocab import VOCAB_FILE, count_tokens, mapping_from_drafter, save_vocab
+from eaglekit import registry
 from eaglekit.errors import EaglekitError
+from eaglekit.formats.saved import check_drafter_target, load_drafter
+from eaglekit.layers import INPUT_OF_LAYER
+from eaglekit.training.data import OfflineSource, OnlineSource, conversation_records, shard_tokens
+from eaglekit.training.target_weights import load_target_embeddings, load_target_head_bias
+from eaglekit.training.vocab import VOCAB_FILE, count_tokens, mapping_from_drafter, save_vocab
 
 log = logging.getLogger(__name__)
+DrafterReader = Callable[[str, int], Any]  # (directory, the target's layer count) -> drafter
+
+
+@dataclass(frozen=True)
+class TrainingTarget:
+    """What a drafter type's `prepare` hook knows of the target and the data when it builds the drafter to train."""
+
+    text_config: Any  # the target's (text) config
+    architecture: str  # its architectures[0]
+    aux_layers: tuple[int, ...]  # input-of-layer ids a fresh EAGLE-3 drafter fuses (() with init_from: its own)
+    count_tokens: Callable[[], torch.Tensor]  # (V,) assistant-token counts of the training data (computed once)
+    lm_head: Callable[[], torch.Tensor]  # the target's lm_head (V, H)
+    store_aux_ids: tuple[int, ...] | None  # the extract store's input-of-layer ids (offline), None online
+    read_drafter: DrafterReader  # reads `init_from`, any layout
 
 
 def _check(config: Any, world: int) -> None:
@@ -67,8 +78,8 @@ def _check(config: Any, world: int) -> None:
 
 
 def _tokenizer_hash(config: Any) -> str | None:
-    from eaglekit.target.identity import tokenizer_hash
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.identity import tokenizer_hash
+    from eaglekit.targets.loading import load_tokenizer
 
     try:
         return tokenizer_hash(load_tokenizer(config.target, trust_remote_code=config.trust_remote_code))
@@ -78,14 +89,14 @@ def _tokenizer_hash(config: Any) -> str | None:
 
 
 def setup(config: Any, d: Any, stack: contextlib.ExitStack,
-          read_drafter: DrafterReader = load_drafter) -> tuple[Eagle3Drafter, Any, dict[str, Any]]:
-    """(drafter with vocab and target embedding, data source, identity for the manifest); `read_drafter` loads
-    `init_from` (see `eaglekit.drafters.eagle3.build.prepare_drafter`)."""
+          read_drafter: DrafterReader = load_drafter) -> tuple[Any, Any, dict[str, Any]]:
+    """(drafter with vocab and target embedding, data source, identity for the manifest); the drafter is what
+    `config.drafter_type`'s `prepare` hook builds, `read_drafter` loads `init_from`."""
     from eaglekit.runtime import resolve_dtype
-    from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, text_config, to_input_convention
-    from eaglekit.target.identity import target_config_hash
-    from eaglekit.target.loading import load_target, load_target_config, load_tokenizer
-    from eaglekit.target.output_head import logit_transform
+    from eaglekit.targets.capture import HiddenStateCapture, default_aux_layers, text_config, to_input_convention
+    from eaglekit.targets.identity import target_config_hash
+    from eaglekit.targets.loading import load_target, load_target_config, load_tokenizer
+    from eaglekit.targets.output_head import logit_transform
 
     _check(config, d.world)
     if d.main:
@@ -97,7 +108,7 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
     architecture = (getattr(target_config, "architectures", None) or [type(target_config).__name__])[0]
     target = None
     if config.shards:
-        from eaglekit.target.store import HiddenStateDataset
+        from eaglekit.targets.store import HiddenStateDataset
 
         dataset = HiddenStateDataset(config.shards)
         tokens = shard_tokens(dataset)
@@ -118,14 +129,10 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
     aux_layers = tuple(config.aux_layer_ids) or (() if config.init_from
                                                  else default_aux_layers(int(tc.num_hidden_layers)))
-    if config.drafter_type == "dflash":
-        from eaglekit.drafters.dflash.setup import prepare_dflash
-
-        store_ids = (to_input_convention(tuple(dataset.manifest["aux_layer_ids"]),
-                                         dataset.manifest["aux_layer_convention"]) if config.shards else None)
-        drafter, vocab_note = prepare_dflash(config, tc, architecture, counts, lambda: head, read_drafter, store_ids)
-    else:
-        drafter, vocab_note = prepare_drafter(config, tc, aux_layers, architecture, counts, read_drafter)
+    store_ids = (to_input_convention(tuple(dataset.manifest["aux_layer_ids"]), dataset.manifest["aux_layer_convention"])
+                 if config.shards else None)
+    target_facts = TrainingTarget(tc, architecture, aux_layers, counts, lambda: head, store_ids, read_drafter)
+    drafter, vocab_note = registry.get(config.drafter_type).prepare(config, target_facts)
     if config.init_from:
         check_drafter_target(drafter.config, target_config, config.init_from, config.target)
     drafter.load_target_embedding(embed.detach().float().cpu())
@@ -172,44 +179,3 @@ def finish(config: Any, trainer: Any, state: dict[str, torch.Tensor], identity: 
         print(f"drafter saved to {output} after {result['steps']} steps (no validation split)")
 
 
-def _short_name(name: str) -> str:
-    """A target's name for comparison: the built-in 'tiny' as its folder, then the last path/hub-id part."""
-    from eaglekit.target.loading import TINY_TARGET, tiny_target_path
-
-    name = str(tiny_target_path()) if name == TINY_TARGET else name
-    return Path(name.rstrip("/")).name.lower()
-
-
-def target_mismatches(drafter_config: Any, target_config: Any) -> list[str]:
-    """What differs structurally between the target a drafter records (DrafterConfig's target_* fields) and
-    `target_config`; unrecorded fields (empty, 0) are not compared."""
-    from eaglekit.target.capture import text_config, to_input_convention
-
-    text = text_config(target_config)
-    layers, problems = int(text.num_hidden_layers), []
-    architecture = (getattr(target_config, "architectures", None) or [""])[0]
-    if drafter_config.target_architecture and architecture and drafter_config.target_architecture != architecture:
-        problems.append(f"architecture {drafter_config.target_architecture} vs {architecture}")
-    if drafter_config.target_num_layers and drafter_config.target_num_layers != layers:
-        problems.append(f"{drafter_config.target_num_layers} layers vs {layers}")
-    if drafter_config.target_hidden_size != int(text.hidden_size):
-        problems.append(f"hidden size {drafter_config.target_hidden_size} vs {text.hidden_size}")
-    if drafter_config.vocab_size != int(text.vocab_size):
-        problems.append(f"vocabulary {drafter_config.vocab_size} vs {text.vocab_size}")
-    aux = to_input_convention(tuple(drafter_config.aux_layer_ids), drafter_config.aux_layer_convention)
-    if max(aux) > layers:
-        problems.append(f"aux layers {list(aux)} beyond the target's {layers} layers")
-    return problems
-
-
-def check_drafter_target(drafter_config: Any, target_config: Any, source: str, target_name: str) -> None:
-    """Refuse a drafter made for a structurally different target (the fix named); warn when only the name differs."""
-    recorded = drafter_config.target_name_or_path or "an unnamed target"
-    problems = target_mismatches(drafter_config, target_config)
-    if problems:
-        raise EaglekitError(f"drafter {source} was made for another target ({recorded}; drafter vs this target: "
-                            f"{'; '.join(problems)}): pass the target it was made for, or train/import a drafter "
-                            f"for {target_name}")
-    if drafter_config.target_name_or_path and target_name and _short_name(recorded) != _short_name(target_name):
-        log.warning("drafter %s was trained for %s, this target is %s: same architecture and shapes, so it is used; "
-                    "acceptance will be low if the weights differ", source, recorded, target_name)

@@ -26,40 +26,38 @@ from eaglekit.vllm import engine as ve
 
 log = logging.getLogger(__name__)
 
-PLAIN, EAGLE3, DFLASH = "vllm_plain", "vllm_eagle3", "vllm_dflash"
-SPECULATIVE_ROWS = {"eagle3": EAGLE3, "dflash": DFLASH}  # vLLM speculative method -> its bench row
+PLAIN, EAGLE3 = "vllm_plain", "vllm_eagle3"  # rows of plain decoding; with a drafter: vllm_<vLLM's method>
 
 
 def served_method(drafter_dir: str) -> str:
-    """The vLLM speculative method that serves a saved eaglekit drafter: eagle3, or dflash for a DFlash drafter."""
-    from eaglekit.drafters.eagle3.build import saved_drafter_type
+    """The vLLM speculative method that serves a saved eaglekit drafter (its type's `vllm_method`: eagle3 for EAGLE-3
+    and P-EAGLE, served as eagle3 with parallel drafting; dflash for DFlash)."""
+    from eaglekit import registry
+    from eaglekit.formats.saved import saved_drafter_type
 
-    return "dflash" if saved_drafter_type(drafter_dir) == "dflash" else "eagle3"
+    kind = registry.get(saved_drafter_type(drafter_dir))
+    if not kind.vllm_method:
+        raise EaglekitError(f"vLLM serves no {kind.name} drafter: leave engine=vllm out for {drafter_dir}")
+    return kind.vllm_method
 
 
 def speculative_row(drafter_dir: str) -> str:
-    """The bench row of the run with a saved drafter, named by the method vLLM serves it with: `vllm_dflash` for a
-    DFlash drafter, `vllm_eagle3` for EAGLE-3 and P-EAGLE (served as eagle3 with parallel drafting)."""
-    return SPECULATIVE_ROWS[served_method(drafter_dir)]
+    """The bench row of the run with a saved drafter, named by the method vLLM serves it with (`vllm_eagle3`,
+    `vllm_dflash`)."""
+    return f"vllm_{served_method(drafter_dir)}"
 
 
 def export_for_vllm(drafter_dir: str, output: Path, speculative_tokens: int) -> Path:
     """The eaglekit drafter written in vLLM's layout of its type (fp32, verified by re-import) under `output`."""
     import torch
 
-    from eaglekit.drafters.eagle3.build import load_saved_drafter
+    from eaglekit import registry
+    from eaglekit.formats.saved import load_saved_drafter
 
     drafter = load_saved_drafter(drafter_dir)
-    if served_method(drafter_dir) == "dflash":
-        from eaglekit.drafters.dflash.model import check_block
-        from eaglekit.drafters.dflash.formats import export_dflash
-
-        check_block(speculative_tokens, drafter.config.block_size)  # vLLM would draft past the trained block
-        export_dflash(drafter, output, "vllm", dtype=torch.float32)
-        return output
-    from eaglekit.drafters.eagle3.convert import export_drafter
-
-    export_drafter(drafter, output, "vllm", dtype=torch.float32, speculative_tokens=speculative_tokens)
+    kind = registry.of(drafter)
+    kind.check_drafts(drafter, speculative_tokens)  # vLLM would draft past what the drafter was trained for
+    kind.export(drafter, output, "vllm", dtype=torch.float32, speculative_tokens=speculative_tokens)
     return output
 
 
@@ -124,7 +122,7 @@ def offline(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[in
     """Both offline runs in one worker process -> {name: worker result} (raises on a refusal)."""
     args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     runs = [{"name": PLAIN, "model": target, "speculative_config": None},
-            {"name": SPECULATIVE_ROWS[method], "model": target,
+            {"name": f"vllm_{method}", "model": target,
              "speculative_config": ve.speculative_config(drafter, speculative_tokens, engine.device_type, method)}]
     job = {"kind": "generate", "runs": [{**r, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_args": args,
                                          "sampled": list(sampled)} for r in runs]}
@@ -181,7 +179,7 @@ def served(engine: ve.Engine, target: str, drafter: Path, prompts: list[list[int
     args = ve.engine_args(model_length(prompts, max_new_tokens, speculative_tokens), target, engine.device_type)
     found = {}
     spec_config = ve.speculative_config(drafter, speculative_tokens, engine.device_type, method)
-    for name, spec in ((PLAIN, None), (SPECULATIVE_ROWS[method], spec_config)):
+    for name, spec in ((PLAIN, None), (f"vllm_{method}", spec_config)):
         with ve.serving(engine, target, args, spec, workdir / f"serve_{name}.log", startup_timeout) as server:
             found[name] = sweep(server, prompts, max_new_tokens, levels, request_timeout)
     return found
@@ -191,7 +189,7 @@ def rows(engine: ve.Engine, offline_runs: dict[str, dict[str, Any]], sweeps: dic
          num_prompts: int, method: str = "eagle3") -> list[dict[str, Any]]:
     """bench.json rows for vLLM: offline counters and outputs, the sweep, and the concurrency-1 speed."""
     plain_ids = offline_runs[PLAIN]["output_ids"]
-    speculative = SPECULATIVE_ROWS[method]
+    speculative = f"vllm_{method}"
     table = []
     for name in (PLAIN, speculative):
         run, levels = offline_runs[name], sweeps.get(name, [])

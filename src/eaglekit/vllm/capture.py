@@ -1,5 +1,5 @@
 """Hidden states captured by vLLM (`eaglekit extract backend=vllm`): the engine's layers, its job, and the files it
-writes streamed into eaglekit's ONE store format (the shard writer of `eaglekit.target.extract`).
+writes streamed into eaglekit's ONE store format (the shard writer of `eaglekit.targets.extract`).
 
 vLLM runs in its own Python (`vllm_capture_worker.py`, started by `vllm_engine.started`) with the
 `extract_hidden_states` method: every finished request leaves one safetensors file of `[T, n_ids, H]` states of
@@ -31,9 +31,9 @@ from eaglekit.vllm.workers.vllm_worker_common import JsonlTail
 if TYPE_CHECKING:
     import torch
 
-    from eaglekit.target.extract import Record
-    from eaglekit.target.shard_writer import ShardWriter
-    from eaglekit.target.store import StoreLayout
+    from eaglekit.targets.extract import Record
+    from eaglekit.targets.shard_writer import ShardWriter
+    from eaglekit.targets.store import StoreLayout
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def final_norm(target_dir: str, config: Any, trust_remote_code: bool = False) ->
     located as `backend=hf` locates it), or an RMSNorm of the text config's eps for a class transformers lacks."""
     import torch
 
-    from eaglekit.target.capture import find_decoder, text_config
+    from eaglekit.targets.capture import find_decoder, text_config
 
     directory = Path(target_dir)
     module, path = None, "model.norm"
@@ -306,7 +306,7 @@ def read_states(path: str, record: Record, layers: EngineLayers, norm: torch.nn.
     import torch
     from safetensors.torch import load_file
 
-    from eaglekit.target.extract import storage_rows
+    from eaglekit.targets.extract import storage_rows
 
     data = load_file(path)
     hidden, token_ids = data["hidden_states"], data["token_ids"]  # (T, n_ids, H), (T,)

@@ -15,9 +15,9 @@ from eaglekit.errors import EaglekitError
 from eaglekit.vllm.capture import CaptureCounters, EngineLayers, EngineSession, engine_error, store_file
 
 if TYPE_CHECKING:
-    from eaglekit.target.extract import Record
-    from eaglekit.target.shard_writer import ShardWriter
-    from eaglekit.target.store import StoreLayout
+    from eaglekit.targets.extract import Record
+    from eaglekit.targets.shard_writer import ShardWriter
+    from eaglekit.targets.store import StoreLayout
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ def regenerate_records(session: EngineSession, conversations: list[Any], regener
     import torch
 
     from eaglekit.data import tokenize_conversation
-    from eaglekit.target.extract import Record
-    from eaglekit.target.regen import record_seed
+    from eaglekit.targets.extract import Record
+    from eaglekit.generation.regen import record_seed
 
     counters = CaptureCounters()
     prompts = [prompt_of(c) for c in conversations]

@@ -12,26 +12,19 @@ convention (vLLM converts them by - 1) and `t2d`.
 
 from __future__ import annotations
 
-import copy
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from eaglekit.drafters.dflash.model import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter, build_from_state
 from eaglekit.errors import EaglekitError
-from eaglekit.drafters.eagle3 import formats
-from eaglekit.drafters.eagle3.formats import _verifier_path as verifier_path
-from eaglekit.drafters.eagle3.formats import read_config, read_weights
-from eaglekit.manifest import atomic_path, atomic_write_json
+from eaglekit.formats.export import write_verified
+from eaglekit.formats.files import DTYPE_NAMES, probe_difference, read_config, read_weights, verifier_path
 
 FORMATS = ("vllm", "speculators")
 ARCHITECTURE = "DFlashDraftModel"
 SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 QWEN3_DEFAULT_THETA = 1_000_000.0  # vLLM's default for a DFlash config that names no rope_theta
 
 
@@ -110,7 +103,7 @@ def compare(reference: DFlashDrafter, candidate: DFlashDrafter, what: str) -> fl
                                 f"{getattr(candidate.config, name)})")
     if not torch.equal(reference.d2t.cpu(), candidate.d2t.cpu()):
         raise EaglekitError(f"{what}: the vocabulary mapping (d2t) changed on the round trip")
-    return formats.probe_difference(probe_logits(reference), probe_logits(candidate), reference.fc.weight.dtype, what)
+    return probe_difference(probe_logits(reference), probe_logits(candidate), reference.fc.weight.dtype, what)
 
 
 def export_dflash(drafter: DFlashDrafter, output: str | Path, fmt: str = "vllm",
@@ -123,18 +116,8 @@ def export_dflash(drafter: DFlashDrafter, output: str | Path, fmt: str = "vllm",
     state = checkpoint_state(drafter, fmt, dtype)
     data = engine_config(drafter.config, fmt, DTYPE_NAMES[dtype])
     output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output, prefix=".export-") as staging:
-        staging = Path(staging)
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        atomic_write_json(staging / "config.json", data)
-        reloaded = import_dflash(staging)
-        reference = copy.deepcopy(drafter).to(device="cpu", dtype=dtype)
-        reloaded.load_target_embedding(reference.embed_tokens.weight.detach())  # the engine shares the target's
-        difference = compare(reference, reloaded.to(dtype), f"{fmt} DFlash export")
-        for name in ("model.safetensors", "config.json"):
-            with atomic_path(output / name) as tmp:
-                shutil.move(str(staging / name), tmp)
+    difference = write_verified(drafter, output, state, data, dtype, import_dflash,
+                                lambda reference, reloaded: compare(reference, reloaded, f"{fmt} DFlash export"))
     return {"format": fmt, "drafter_type": "dflash", "output": str(output), "tensors": sorted(state),
             "target_layer_ids": list(drafter.config.target_layer_ids), "mask_token_id": drafter.config.mask_token_id,
             "block_size": drafter.config.block_size, "max_logit_difference": difference, "dtype": DTYPE_NAMES[dtype],
@@ -219,3 +202,42 @@ def import_dflash(source: str | Path, lm_head: torch.Tensor | None = None) -> DF
     state["d2t"] = d2t
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     return build_from_state(config, state, str(source))
+
+
+def import_for_target(source: Path, output: Path, options: Any) -> tuple[DFlashDrafter, dict[str, Any], str]:
+    """`eaglekit import` of a DFlash checkpoint (vLLM's or speculators' layout; a published z-lab checkpoint has no
+    lm_head: it drafts with the target's, `options.lm_head`) -> (drafter, summary fields, the line to print)."""
+    if options.aux_layer_ids:
+        raise EaglekitError("aux_layer_ids= overrides EAGLE-3 layers; a DFlash checkpoint names its own "
+                            "target_layer_ids: drop aux_layer_ids")
+    head = options.lm_head() if options.lm_head is not None else None
+    drafter = import_dflash(source, lm_head=head)
+    if not bool(drafter.lm_head.weight.any()):
+        raise EaglekitError(f"{source} has no lm_head: it drafts with the target's, so pass target=MODEL")
+    data = drafter.config.to_dict()
+    layers = options.target_num_layers
+    if options.target_name:
+        if layers and max(drafter.config.target_layer_ids) >= layers:
+            raise EaglekitError(f"target_layer_ids {list(drafter.config.target_layer_ids)} exceed the target's "
+                                f"{layers} layers: wrong target?")
+        data.update(target_name_or_path=options.target_name,
+                    target_architecture=options.target_architecture or data["target_architecture"],
+                    target_num_layers=layers or data["target_num_layers"])
+    drafter.config = DFlashConfig.from_dict(data)
+    summary = {"drafter_type": "dflash", "target_layer_ids": list(drafter.config.target_layer_ids),
+               "block_size": drafter.config.block_size, "mask_token_id": drafter.config.mask_token_id,
+               "draft_vocab_size": drafter.config.draft_vocab_size, "lm_head_from_target": head is not None}
+    message = (f"imported DFlash drafter {source} -> {output}; target layers (output-of-layer) "
+               f"{summary['target_layer_ids']}, block {summary['block_size']}")
+    return drafter, summary, message
+
+
+def export_note(summary: dict[str, Any], source: Path, output: Path) -> str:
+    """What `eaglekit export` prints of a DFlash export, with vLLM's serve command."""
+    note = (f"exported {source} -> {output} ({summary['format']}, DFlash); target_layer_ids (output-of-layer) "
+            f"{summary['target_layer_ids']}, mask token {summary['mask_token_id']}, block {summary['block_size']}; "
+            "re-import matched the source logits")
+    if summary["format"] == "vllm":
+        note += (f"\nserve: vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": \"{output}\", "
+                 f"\"num_speculative_tokens\": {summary['block_size'] - 1}}}'")
+    return note

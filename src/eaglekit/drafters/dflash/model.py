@@ -34,8 +34,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from eaglekit.drafters.eagle3.model import (
-    Eagle3Drafter,
+from eaglekit.drafters.common import (
+    DraftVocabulary,
     attend,
     read_drafter_config,
     read_drafter_state,
@@ -227,7 +227,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftVocabulary, nn.Module):
     """DFlash draft model. See the module docstring; `context` then `forward` is one drafting step."""
 
     def __init__(self, config: DFlashConfig):
@@ -244,13 +244,6 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-
-    # the vocabulary and the target's embedding / lm_head rows: the same rules and buffers as EAGLE-3's drafter
-    set_vocab_mapping = Eagle3Drafter.set_vocab_mapping
-    draft_to_target = Eagle3Drafter.draft_to_target
-    load_target_embedding = Eagle3Drafter.load_target_embedding
-    load_target_lm_head = Eagle3Drafter.load_target_lm_head
-    num_trainable_parameters = Eagle3Drafter.num_trainable_parameters
 
     def context(
         self,
@@ -275,6 +268,10 @@ class DFlashDrafter(nn.Module):
         for layer, layer_context in zip(self.layers, context):
             x = layer(x, cos, sin, layer_context, mask)
         return self.lm_head(self.norm(x))  # (B, Q, Vd)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The modules FSDP shards one by one (the rest goes with the objective that wraps the drafter)."""
+        return list(self.layers)
 
     # --- persistence ------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, include_embedding: bool = True) -> Path:

@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import torch
 
-from eaglekit.drafters.eagle3.build import drafter_config_for, select_coverage
+from eaglekit.drafters.common import normal_init, target_shape
 from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from eaglekit.drafters.vocab import load_vocab, mapping_from_drafter, select_vocab
 from eaglekit.errors import EaglekitError
+from eaglekit.training.vocab import load_vocab, mapping_from_drafter, select_coverage, select_vocab
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def mask_token(options: Any) -> int:
     """`mask_token_id`, else the tokenizer's mask token, else its pad token, else its end-of-sequence token."""
     if options.mask_token_id >= 0:
         return int(options.mask_token_id)
-    from eaglekit.target.loading import load_tokenizer
+    from eaglekit.targets.loading import load_tokenizer
 
     tokenizer = load_tokenizer(options.target, trust_remote_code=options.trust_remote_code)
     for name in ("mask_token_id", "pad_token_id", "eos_token_id"):
@@ -65,11 +65,9 @@ def mask_token(options: Any) -> int:
 def fresh_config(options: Any, text_config: Any, architecture: str, draft_vocab_size: int,
                  layer_ids: tuple[int, ...]) -> DFlashConfig:
     """A DFlash drafter shaped like the target's layers (hidden, heads, MLP width, RoPE), `draft_layers` deep."""
-    base = drafter_config_for(text_config, draft_vocab_size, (1, 2, 3), options.target, architecture)
-    fields = {f.name for f in dataclasses.fields(DFlashConfig)}
-    own = ("num_hidden_layers", "target_layer_ids", "mask_token_id", "block_size")
-    shared = {k: v for k, v in base.to_dict().items() if k in fields and k not in own}
-    return DFlashConfig(**shared, num_hidden_layers=options.draft_layers, target_layer_ids=layer_ids,
+    shape = target_shape(text_config, options.target, architecture)
+    return DFlashConfig(**shape, draft_vocab_size=min(draft_vocab_size, shape["vocab_size"]),
+                        num_hidden_layers=options.draft_layers, target_layer_ids=layer_ids,
                         mask_token_id=mask_token(options), block_size=options.block_size)
 
 
@@ -102,15 +100,15 @@ def read_init(options: Any, read_drafter: Callable[[str, int], Any], num_layers:
     return drafter
 
 
-def prepare_dflash(options: Any, text_config: Any, architecture: str, count_tokens_fn: Callable[[], torch.Tensor],
-                   lm_head: Callable[[], torch.Tensor], read_drafter: Callable[[str, int], Any],
-                   store_ids: tuple[int, ...] | None = None) -> tuple[DFlashDrafter, str]:
-    """The DFlash drafter to train and a note on where its vocabulary came from. `store_ids`: the extract store's
-    input-of-layer ids (offline), `lm_head()`: the target's lm_head (V, H), for a checkpoint without its own,
-    `read_drafter(path, target layers)` reads `init_from`."""
+def prepare_dflash(options: Any, target: Any) -> tuple[DFlashDrafter, str]:
+    """The DFlash drafter to train and a note on where its vocabulary came from. `target`
+    (`eaglekit.training.setup.TrainingTarget`): `store_aux_ids`, the extract store's input-of-layer ids (offline),
+    `lm_head()`, the target's lm_head (V, H), for a checkpoint without its own, `read_drafter(path, target layers)`
+    reads `init_from`."""
+    text_config, count_tokens_fn, store_ids = target.text_config, target.count_tokens, target.store_aux_ids
     num_layers = int(text_config.num_hidden_layers)
     if options.init_from:
-        drafter = read_init(options, read_drafter, num_layers, lm_head)
+        drafter = read_init(options, target.read_drafter, num_layers, target.lm_head)
         layer_ids = target_layers(dataclasses.replace(options, target_layer_ids=options.target_layer_ids
                                                       or drafter.config.target_layer_ids), num_layers, store_ids)
         check_init(options, drafter, text_config, layer_ids)
@@ -126,13 +124,10 @@ def prepare_dflash(options: Any, text_config: Any, architecture: str, count_toke
     torch.manual_seed(options.seed)
     vocab = load_vocab(options.vocab) if options.vocab else None
     mapping = vocab or select_vocab(count_tokens_fn(), options.draft_vocab_size)
-    config = fresh_config(options, text_config, architecture, int(mapping.used_ids.numel()), layer_ids)
+    config = fresh_config(options, text_config, target.architecture, int(mapping.used_ids.numel()), layer_ids)
     drafter = DFlashDrafter(config)
     if options.init_std > 0:
-        with torch.no_grad():
-            for module in drafter.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.normal_(0.0, options.init_std)
+        normal_init(drafter, options.init_std)
     drafter.set_vocab_mapping(mapping.used_ids)
     note = f"from {options.vocab}" if vocab else "built from the training data"
     return drafter, f"{note} (coverage {select_coverage(mapping, count_tokens_fn):.2%})"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from eaglekit.drafters.eagle3.ttt import TTTResult, combine_steps, soft_cross_entropy_sum
+from eaglekit.training.objective import TTTResult, combine_steps, soft_cross_entropy_sum
 
 
 def sample_anchors(
@@ -207,7 +207,7 @@ def batch_seed(loss_mask: torch.Tensor, in_vocab: torch.Tensor, seed: int) -> in
 
 
 class DFlashObjective(torch.nn.Module):
-    """The DFlash training objective over a drafter: the contract of `eaglekit.drafters.eagle3.ttt.TTTModule`, with the
+    """The DFlash training objective over a drafter (the contract of `eaglekit.training.objective`), with the
     K = block_size - 1 block positions in place of TTT steps."""
 
     def __init__(self, drafter: Any, num_anchors: int, decay: float, attention: str, seed: int):
@@ -228,6 +228,10 @@ class DFlashObjective(torch.nn.Module):
         """-> (train, accuracy) masks (K, B, N) of this batch's blocks."""
         anchors, valid = self.anchors(loss_mask, in_vocab)
         return block_masks(loss_mask, in_vocab, anchors, valid, self.drafter.config.block_size)
+
+    def mean_counts(self, tokens: Any, indices: list[int], max_length: int) -> None:
+        """None: the blocks are sampled per batch, so each batch's own counts normalise its loss."""
+        return None
 
     def forward(self, aux, input_ids, loss_mask, probs, in_vocab, denominators):  # noqa: ANN001 (see block_forward)
         anchors, valid = self.anchors(loss_mask, in_vocab)

@@ -7,25 +7,23 @@ moving the files into place. `import_checkpoint` turns any supported layout into
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from eaglekit.drafters.eagle3.model import INPUT_OF_LAYER, DrafterConfig, Eagle3Drafter
+from eaglekit.drafters.eagle3.config import DrafterConfig
+from eaglekit.drafters.eagle3.model import Eagle3Drafter
+from eaglekit.layers import INPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
+from eaglekit.formats import files
+from eaglekit.formats.export import write_verified
 from eaglekit.drafters.eagle3 import formats, mla_format
-from eaglekit.manifest import atomic_path, atomic_write_json
-from eaglekit.target.capture import engine_aux_layers, to_input_convention
+from eaglekit.targets.capture import engine_aux_layers, to_input_convention
 
 log = logging.getLogger(__name__)
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 # --- probe ----------------------------------------------------------------------------------
@@ -56,7 +54,7 @@ def compare_drafters(reference: Eagle3Drafter, candidate: Eagle3Drafter, what: s
                                       and not torch.equal(reference.mask_hidden.cpu(), candidate.mask_hidden.cpu())):
         raise EaglekitError(f"{what}: the parallel drafting (drafter type, mask token, mask_hidden) changed on the "
                             f"round trip ({parallel[0]} -> {parallel[1]})")
-    return formats.probe_difference(probe_logits(reference), probe_logits(candidate), reference.fc.weight.dtype, what)
+    return files.probe_difference(probe_logits(reference), probe_logits(candidate), reference.fc.weight.dtype, what)
 
 
 def to_input(config: DrafterConfig) -> tuple[int, ...]:
@@ -90,21 +88,10 @@ def export_drafter(drafter: Eagle3Drafter, output: str | Path, fmt: str, dtype: 
     dtype = dtype or drafter.fc.weight.dtype
     state = formats.to_checkpoint_state(_export_state(drafter, dtype, include_embedding), fmt)
     formats.check_required(fmt, config, state)
-    data = formats.engine_config(config, fmt, DTYPE_NAMES[dtype], speculative_tokens)
+    data = formats.engine_config(config, fmt, files.DTYPE_NAMES[dtype], speculative_tokens)
     output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output, prefix=".export-") as staging:
-        staging = Path(staging)
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        atomic_write_json(staging / "config.json", data)
-        reloaded = import_checkpoint(staging, from_format=fmt)
-        reference = copy.deepcopy(drafter).to(device="cpu", dtype=dtype)
-        if "embed_tokens.weight" not in state:  # the engine shares the target's embedding: give it the same one
-            reloaded.load_target_embedding(reference.embed_tokens.weight.detach().cpu())
-        difference = compare_drafters(reference, reloaded, f"{fmt} export")
-        for name in ("model.safetensors", "config.json"):
-            with atomic_path(output / name) as tmp:
-                shutil.move(str(staging / name), tmp)
+    difference = write_verified(drafter, output, state, data, dtype, lambda staged: import_checkpoint(staged, fmt),
+                                lambda reference, reloaded: compare_drafters(reference, reloaded, f"{fmt} export"))
     input_ids = list(to_input(config))
     warnings = []
     if config.target_num_layers and tuple(input_ids) != engine_aux_layers(config.target_num_layers):
@@ -115,7 +102,7 @@ def export_drafter(drafter: Eagle3Drafter, output: str | Path, fmt: str, dtype: 
     return {"warnings": warnings, "format": fmt, "output": str(output), "tensors": sorted(state),
             "config_aux_layer_ids": _written_ids(data),
             "aux_layer_ids_input_of_layer": input_ids, "max_logit_difference": difference,
-            "dtype": DTYPE_NAMES[dtype], "embedding_included": "embed_tokens.weight" in state}
+            "dtype": files.DTYPE_NAMES[dtype], "embedding_included": "embed_tokens.weight" in state}
 
 
 def _written_ids(data: dict[str, Any]) -> list[int]:
@@ -217,7 +204,7 @@ def import_checkpoint(source: str | Path, from_format: str = "auto", target_num_
     if from_format not in formats.IMPORT_FORMATS:
         raise EaglekitError(f"unknown from_format '{from_format}'; use one of {', '.join(formats.IMPORT_FORMATS)}")
     source = Path(source)
-    data = formats.read_config(source)
+    data = files.read_config(source)
     layout = formats.detect_format(data)
     if layout == "eaglekit":
         raise EaglekitError(f"{source} is already an eaglekit drafter; load it with Eagle3Drafter.from_pretrained")
@@ -227,7 +214,7 @@ def import_checkpoint(source: str | Path, from_format: str = "auto", target_num_
     if aux_layer_ids:
         config = DrafterConfig.from_dict({**config.to_dict(), "aux_layer_ids": list(aux_layer_ids),
                                           "aux_layer_convention": INPUT_OF_LAYER})
-    weights = mla_format.engine_names(formats.read_weights(source), data)  # an MLA drafter's layers.0. -> midlayer.
+    weights = mla_format.engine_names(files.read_weights(source), data)  # an MLA drafter's layers.0. -> midlayer.
     state = formats.from_checkpoint_state(weights, "speculators" if layout == "speculators" else "vllm")
     parallel = formats.parallel_fields(data, state)  # P-EAGLE: mask_hidden and its token id
     if parallel:
@@ -236,19 +223,39 @@ def import_checkpoint(source: str | Path, from_format: str = "auto", target_num_
     return _build(config, state, source)
 
 
-def load_drafter(path: str | Path, target_num_layers: int | None = None) -> Eagle3Drafter:
-    """A drafter directory in any supported layout: eaglekit's own (`Eagle3Drafter.from_pretrained`) or one that
-    `import_checkpoint` reads. What `eaglekit train init_from=` loads (the stage hands it to the training setup)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise EaglekitError(f"init_from={path}: no config.json there; give a drafter directory")
-    from eaglekit.drafters.dflash.formats import import_dflash, is_dflash_checkpoint
+def read_checkpoint(source: Path, options: Any) -> Eagle3Drafter:
+    """An engine-layout checkpoint as an `Eagle3Drafter` (`options`: `eaglekit.formats.saved.ImportOptions`)."""
+    return import_checkpoint(source, options.from_format, options.target_num_layers, options.aux_layer_ids or None)
 
-    if is_dflash_checkpoint(formats.read_config(path)):  # a DFlash drafter: eaglekit's, vLLM's or speculators' layout
-        return import_dflash(path)
-    if formats.detect_format(formats.read_config(path)) == "eaglekit":
-        return Eagle3Drafter.from_pretrained(path)
-    return import_checkpoint(path, target_num_layers=target_num_layers)
+
+def import_for_target(source: Path, output: Path, options: Any) -> tuple[Eagle3Drafter, dict[str, Any], str]:
+    """`eaglekit import`: the checkpoint as an `Eagle3Drafter` that records its target (`options.target_name`),
+    checked against the target's layers -> (drafter, summary fields, the line to print)."""
+    drafter = read_checkpoint(source, options)
+    data = drafter.config.to_dict()
+    layers = options.target_num_layers
+    if options.target_name:
+        data.update(target_name_or_path=options.target_name,
+                    target_architecture=options.target_architecture or data["target_architecture"])
+        if layers and max(drafter.config.aux_layer_ids) > layers:
+            raise EaglekitError(
+                f"aux layer ids {drafter.config.aux_layer_ids} exceed the target's {layers} layers: wrong target?"
+            )
+    drafter.config = DrafterConfig.from_dict(data)
+    summary = {"aux_layer_ids": list(drafter.config.aux_layer_ids),
+               "aux_layer_convention": drafter.config.aux_layer_convention,
+               "draft_vocab_size": drafter.config.draft_vocab_size,
+               "has_embedding": bool(drafter.embed_tokens.weight.any())}
+    message = (f"imported {source} -> {output}; aux layers (input-of-layer) {summary['aux_layer_ids']}"
+               + ("" if summary["has_embedding"] else "; no embedding in the checkpoint: load the target's before use"))
+    return drafter, summary, message
+
+
+def export_note(summary: dict[str, Any], source: Path, output: Path) -> str:
+    """What `eaglekit export` prints of an EAGLE-3 export."""
+    return (f"exported {source} -> {output} ({summary['format']}); aux layer ids written: "
+            f"{summary['config_aux_layer_ids']} (input-of-layer: {summary['aux_layer_ids_input_of_layer']}); "
+            "re-import matched the source logits")
 
 
 def _build(config: DrafterConfig, state: dict[str, torch.Tensor], source: Path) -> Eagle3Drafter:

@@ -25,18 +25,17 @@ never has to guess which engine's convention the ids use.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from eaglekit.drafters.eagle3.model import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig
+from eaglekit.drafters.eagle3.config import DrafterConfig
+from eaglekit.layers import INPUT_OF_LAYER, OUTPUT_OF_LAYER
 from eaglekit.errors import EaglekitError
+from eaglekit.formats.files import verifier_path
 from eaglekit.drafters.eagle3 import mla_format
 from eaglekit.formats.names import EXPORT_FORMATS, IMPORT_FORMATS  # noqa: F401 (convert.py reads formats.IMPORT_FORMATS)
-from eaglekit.target.capture import from_input_convention, to_input_convention
+from eaglekit.targets.capture import from_input_convention, to_input_convention
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # the default of speculators' Eagle3SpeculatorConfig
@@ -157,7 +156,7 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
               "target_architecture": config.target_architecture}
     parallel = config.drafter_type == "p-eagle"
     if fmt == "speculators":
-        verifier = {"name_or_path": _verifier_path(config.target_name_or_path),
+        verifier = {"name_or_path": verifier_path(config.target_name_or_path),
                     "architectures": [config.target_architecture] if config.target_architecture else []}
         kind = "peagle" if parallel else "eagle3"
         return {
@@ -197,15 +196,6 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
         data["parallel_drafting"] = True
     data[MARKER] = marker
     return data
-
-
-def _verifier_path(name: str) -> str | None:
-    """The target as speculators must find it: eaglekit's 'tiny' alias becomes its directory."""
-    if not name:
-        return None
-    from eaglekit.target.loading import TINY_TARGET, tiny_target_path
-
-    return str(tiny_target_path()) if name == TINY_TARGET else name
 
 
 def check_exportable(config: DrafterConfig, fmt: str) -> None:
@@ -292,36 +282,6 @@ def from_checkpoint_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str,
 
 
 # --- reading ------------------------------------------------------------------------------
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: model.safetensors, a sharded index, or pytorch_model.bin."""
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return load_file(str(single))
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(str(directory / shard)))
-        return state
-    binary = directory / "pytorch_model.bin"
-    if binary.is_file():
-        return torch.load(str(binary), map_location="cpu", weights_only=True)
-    raise EaglekitError(f"{directory} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
-
-
-def read_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    if not directory.exists():
-        from eaglekit.target.loading import missing_path_error
-
-        raise missing_path_error(str(directory), "source", "point `source` at a drafter checkpoint directory")
-    if not path.is_file():
-        raise EaglekitError(f"{directory} has no config.json; point `source` at a drafter checkpoint directory")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise EaglekitError(f"{path} is not valid JSON: {error}") from None
 
 
 def parallel_fields(data: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -334,6 +294,14 @@ def parallel_fields(data: dict[str, Any], state: dict[str, torch.Tensor]) -> dic
         raise EaglekitError(f"the checkpoint has mask_hidden (P-EAGLE) but its config.json names no parallel-drafting "
                             f"token ({', '.join(PARALLEL_TOKEN_KEYS)}): add the token id it was trained with")
     return {"drafter_type": "p-eagle", "mask_token_id": int(token)}
+
+
+def is_eagle3_checkpoint(data: dict[str, Any]) -> bool:
+    """True for the config.json of an EAGLE-3 (or P-EAGLE) drafter in an engine's layout (not eaglekit's own)."""
+    try:
+        return detect_format(data) != "eaglekit"
+    except EaglekitError:
+        return False
 
 
 def detect_format(data: dict[str, Any]) -> str:
@@ -353,11 +321,3 @@ def detect_format(data: dict[str, Any]) -> str:
                         f"(expected one of {', '.join(EAGLE3_ARCHITECTURES)} or a speculators eagle3 config)")
 
 
-def probe_difference(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, what: str) -> float:
-    """Max abs difference of a drafter's probe logits and its round-tripped copy's; raises above the tolerance:
-    none for fp32 weights (`dtype`), else 1% of the largest expected logit."""
-    difference = (expected - got).abs().max().item()
-    tolerance = 0.0 if dtype == torch.float32 else 1e-2 * expected.abs().max().item()
-    if difference > tolerance:
-        raise EaglekitError(f"{what}: logits differ by {difference:.3g} on the probe input (tolerance {tolerance:.3g})")
-    return difference

@@ -34,7 +34,9 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from eaglekit.drafters.eagle3.model import MIDLAYERS, DraftDecoderLayer, DrafterConfig, attend
+from eaglekit.drafters.common import attend
+from eaglekit.drafters.eagle3.config import DrafterConfig
+from eaglekit.drafters.eagle3.layers import DraftDecoderLayer
 from eaglekit.errors import EaglekitError
 
 ARCH = "mla"
@@ -190,9 +192,6 @@ class MLADecoderLayer(DraftDecoderLayer):
     @staticmethod
     def rotary_embedding(config: DrafterConfig) -> nn.Module:
         return MLARotaryEmbedding(config)
-
-
-MIDLAYERS[ARCH] = MLADecoderLayer
 
 
 # --- dimensions from a target ---------------------------------------------------------------

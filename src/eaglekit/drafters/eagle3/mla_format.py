@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from eaglekit.drafters.eagle3.mla import ARCH, MLA_FIELDS
-from eaglekit.drafters.eagle3.model import DrafterConfig
+from eaglekit.drafters.eagle3.config import DrafterConfig
 from eaglekit.errors import EaglekitError
 
 ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")  # vLLM registers both names

@@ -24,25 +24,27 @@ forward of one drafter step; tests check that both agree.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglekit.training.data import mean_mask_counts
+from eaglekit.training.objective import (
+    DEFAULT_DECAY,
+    TTTResult,
+    combine_steps,
+    correct_count,
+    soft_cross_entropy_sum,
+)
+
 DEFAULT_STEPS = 7
-DEFAULT_DECAY = 0.8
 
 
 # --- alignment ------------------------------------------------------------------------------
-def step_weights(num_steps: int, decay: float = DEFAULT_DECAY) -> torch.Tensor:
-    """(K,) weights decay**k."""
-    return torch.tensor([decay**k for k in range(num_steps)], dtype=torch.float32)
-
-
 def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
     """Shift along dim 1 by n: out[:, t] = x[:, t + n], the last n positions filled with `fill`."""
     if n == 0:
@@ -90,74 +92,6 @@ def ttt_block_mask(seq_len: int, step: int, device: Any = None) -> Any:
 
 
 # --- labels and loss ------------------------------------------------------------------------
-def soft_labels(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_logits (B, T, V), t2d (V,) bool -> (probs over draft columns (B, T, Vd) fp32, in_vocab (B, T))."""
-    in_vocab = t2d[target_logits.argmax(-1)]  # (B, T)
-    probs = torch.softmax(target_logits[..., t2d].float(), dim=-1)  # (B, T, Vd)
-    return probs, in_vocab
-
-
-@torch.no_grad()
-def soft_labels_from_hidden(
-    final: torch.Tensor,  # (B, T, H) target final-norm output
-    lm_head_weight: torch.Tensor,  # (V, H) target lm_head
-    t2d: torch.Tensor,  # (V,) bool
-    chunk_tokens: int = 4096,
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`soft_labels(transform(final @ W.T), t2d)` computed over token chunks, never holding all (B*T, V) logits;
-    `transform`: what the target's forward does to its lm_head output (`eaglekit.target.output_head`)."""
-    b, t, h = final.shape
-    flat = final.reshape(b * t, h).to(lm_head_weight.dtype)
-    probs, in_vocab = [], []
-    for start in range(0, b * t, chunk_tokens):
-        logits = flat[start : start + chunk_tokens] @ lm_head_weight.T  # (n, V)
-        if transform is not None:
-            logits = transform(logits)
-        p, v = soft_labels(logits[None], t2d)
-        probs.append(p[0])
-        in_vocab.append(v[0])
-    return torch.cat(probs).view(b, t, -1), torch.cat(in_vocab).view(b, t)
-
-
-def soft_cross_entropy_sum(
-    logits: torch.Tensor,  # (B, T, Vd) drafter logits
-    probs: torch.Tensor,  # (B, T, Vd) target probabilities
-    mask: torch.Tensor,  # (B, T) bool
-) -> torch.Tensor:
-    """Sum over masked positions of -sum_v p_v log q_v (fp32 scalar)."""
-    log_q = torch.log_softmax(logits.float(), dim=-1)
-    per_position = -(probs * log_q).sum(-1)  # (B, T)
-    return (per_position * mask).sum()
-
-
-@dataclass
-class TTTResult:
-    """Per-step sums; normalise with the counts (after all-reducing them in distributed runs)."""
-
-    loss: torch.Tensor  # scalar: sum_k w_k * loss_sums[k] / denominators[k]
-    loss_sums: torch.Tensor  # (K,) summed soft CE of each step over its train mask
-    correct: torch.Tensor  # (K,) top-1 matches with the target argmax on the accuracy mask
-    train_counts: torch.Tensor  # (K,) positions in each step's train mask
-    accuracy_counts: torch.Tensor  # (K,) positions in each step's accuracy mask
-
-
-def combine_steps(
-    loss_sums: list[torch.Tensor], correct: list[torch.Tensor], train: torch.Tensor, accuracy: torch.Tensor,
-    decay: float, denominators: torch.Tensor | None,
-) -> TTTResult:
-    loss_sums_t, correct_t = torch.stack(loss_sums), torch.stack(correct)
-    train_counts = train.sum(dim=(1, 2)).float()
-    if denominators is None:
-        denominators = train_counts.clamp(min=1.0)
-    weights = step_weights(len(loss_sums), decay).to(loss_sums_t.device)
-    loss = (weights * loss_sums_t / denominators.to(loss_sums_t.device)).sum()
-    return TTTResult(loss, loss_sums_t.detach(), correct_t, train_counts, accuracy.sum(dim=(1, 2)).float())
-
-
-def correct_count(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logits, probs (B, T, Vd), mask (B, T) -> () top-1 matches of the drafter with the target on `mask`."""
-    return ((logits.argmax(-1) == probs.argmax(-1)) & mask).sum().float()
 
 
 def step_attention_mask(attention: str, length: int, step: int, device: torch.device) -> Any:
@@ -179,6 +113,43 @@ def score_step(logits: torch.Tensor, probs: torch.Tensor, train: torch.Tensor,
 
 
 # --- efficient TTT --------------------------------------------------------------------------
+StepInput = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (k, last hidden) -> (hidden, ids)
+
+
+def unrolled_forward(
+    drafter: Any,  # Eagle3Drafter
+    feature: torch.Tensor,  # (B, T, H) fused target features
+    step_input: StepInput,  # step k's inputs (hidden (B, T, H), ids (B, T)) from the hidden step k-1 returned
+    input_ids: torch.Tensor,  # (B, T) raw token ids x_t
+    loss_mask: torch.Tensor,  # (B, T) bool, assistant tokens (False on padding)
+    probs: torch.Tensor,  # (B, T, Vd) soft labels at each position (softmax of L_t over draft columns)
+    in_vocab: torch.Tensor,  # (B, T) bool, argmax L_t in the draft vocabulary
+    num_steps: int,
+    decay: float,
+    attention: str,  # "sdpa" (boolean mask) or "flex" (block mask)
+    denominators: torch.Tensor | None,  # (K,) loss normalisers; None: local train counts
+) -> TTTResult:
+    """K drafter steps laid out as TTT's (masks, labels, positions), one attention call per step over the keys of
+    steps 0..k; what a step reads is `step_input`'s (TTT: its own last output; P-EAGLE: the mask slot)."""
+    b, t = input_ids.shape
+    train, accuracy = step_masks(loss_mask, in_vocab, num_steps)
+    hidden = feature
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    loss_sums, correct = [], []
+    for k in range(num_steps):
+        mask = step_attention_mask(attention, t, k, input_ids.device)
+        past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None  # 2 x (B, nkv, kT, D)
+        hidden_k, ids_k = step_input(k, hidden)
+        hidden, logits, (key, value) = drafter(hidden_k, ids_k, position_ids(b, t, k, input_ids.device), past, mask)
+        keys.append(key)
+        values.append(value)
+        loss_sum, hits = score_step(logits, probs, train[k], k)
+        loss_sums.append(loss_sum)
+        correct.append(hits)
+    return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
+
+
 def ttt_forward(
     drafter: Any,  # Eagle3Drafter
     aux: torch.Tensor,  # (B, T, 3*H_target) target aux states
@@ -191,33 +162,15 @@ def ttt_forward(
     attention: str = "sdpa",  # "sdpa" (boolean mask) or "flex" (block mask)
     denominators: torch.Tensor | None = None,  # (K,) loss normalisers; default: local train counts
 ) -> TTTResult:
-    """K unrolled drafter steps, one attention call per step over the keys of steps 0..k."""
-    b, t = input_ids.shape
-    train, accuracy = step_masks(loss_mask, in_vocab, num_steps)
-    hidden = drafter.fuse(aux)  # (B, T, H)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    loss_sums, correct = [], []
-    for k in range(num_steps):
-        mask = step_attention_mask(attention, t, k, input_ids.device)
-        past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None  # 2 x (B, nkv, kT, D)
-        ids_k = shift_left(input_ids, 1 + k, 0)
-        hidden, logits, (key, value) = drafter(hidden, ids_k, position_ids(b, t, k, input_ids.device), past, mask)
-        keys.append(key)
-        values.append(value)
-        loss_sum, hits = score_step(logits, probs, train[k], k)
-        loss_sums.append(loss_sum)
-        correct.append(hits)
-    return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
+    """K unrolled drafter steps: step k reads step k-1's output and the ids shifted left by 1 + k."""
+    return unrolled_forward(drafter, drafter.fuse(aux), lambda k, hidden: (hidden, shift_left(input_ids, 1 + k, 0)),
+                            input_ids, loss_mask, probs, in_vocab, num_steps, decay, attention, denominators)
 
 
 # --- the training module ----------------------------------------------------------------------
 class TTTModule(nn.Module):
-    """The unit DDP/FSDP/compile wrap: one forward = all K TTT steps of a micro-batch.
-
-    The training-objective contract (every drafter type's module keeps it): `num_positions` K; `masks(loss_mask,
-    in_vocab)` -> (train, accuracy) masks (K, B, T); forward(aux, input_ids, loss_mask, probs, in_vocab,
-    denominators (K,)) -> (loss, loss_sums (K,), correct (K,), train_counts (K,), accuracy_counts (K,))."""
+    """The unit DDP/FSDP/compile wrap: one forward = all K TTT steps of a micro-batch (the objective contract of
+    `eaglekit.training.objective`)."""
 
     steps_forward = staticmethod(ttt_forward)  # the objective's own forward over all K steps
 
@@ -231,6 +184,11 @@ class TTTModule(nn.Module):
 
     def masks(self, loss_mask: torch.Tensor, in_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return step_masks(loss_mask, in_vocab, self.num_steps)
+
+    def mean_counts(self, tokens: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int],
+                    max_length: int) -> torch.Tensor:
+        """(K,) mean positions per record in each step's mask (`step_weighting=tokens`)."""
+        return mean_mask_counts(tokens, indices, max_length, self.num_steps)
 
     def forward(self, aux, input_ids, loss_mask, probs, in_vocab, denominators):  # noqa: ANN001 (see ttt_forward)
         r = self.steps_forward(self.drafter, aux, input_ids, loss_mask, probs, in_vocab, self.num_steps, self.decay,
@@ -335,10 +293,3 @@ def naive_ttt_forward(
     return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
 
 
-def expected_acceptance(accuracy: list[float]) -> float:
-    """tau estimate = 1 + sum_k prod_{j<=k} acc_j (acc_j: top-1 accuracy of TTT position j)."""
-    tau, running = 1.0, 1.0
-    for acc in accuracy:
-        running *= acc
-        tau += running
-    return tau

@@ -1,6 +1,6 @@
 """P-EAGLE training: an EAGLE-3 drafter that drafts K tokens in one forward, as pure tensor functions.
 
-At decode time (`eaglekit.decode.parallel`, vLLM's `parallel_drafting`) the drafter's query after the last
+At decode time (`eaglekit.drafters.p_eagle.decode`, vLLM's `parallel_drafting`) the drafter's query after the last
 accepted position t holds K - 1 mask slots at positions t+1 .. t+K-1: each reads the feature `fuse(mask_hidden)`
 and the parallel-drafting token `mask_token_id`, under causal attention. Position t itself predicts x_{t+2} (the
 EAGLE-3 step), mask slot j predicts x_{t+2+j}.
@@ -23,10 +23,8 @@ from typing import Any
 
 import torch
 
-from eaglekit.drafters.eagle3.ttt import (
-    DEFAULT_DECAY, DEFAULT_STEPS, TTTModule, TTTResult, combine_steps, position_ids, score_step, shift_left,
-    step_attention_mask, step_masks,
-)
+from eaglekit.drafters.eagle3.ttt import DEFAULT_DECAY, DEFAULT_STEPS, TTTModule, shift_left, unrolled_forward
+from eaglekit.training.objective import TTTResult, combine_steps
 from eaglekit.errors import EaglekitError
 
 MASK_HIDDEN_STD = 0.02  # a fresh mask_hidden: normal, like speculators' and Hugging Face's linear init
@@ -60,23 +58,10 @@ def parallel_forward(
     denominators: torch.Tensor | None = None,  # (K,) loss normalisers; default: local train counts
 ) -> TTTResult:
     """The K positions of every anchor: one attention call per step over the keys of steps 0..k (TTT's mask)."""
-    b, t = input_ids.shape
-    train, accuracy = step_masks(loss_mask, in_vocab, num_steps)
     feature, mask_feature = drafter.fuse(aux), drafter.mask_feature()  # (B, T, H), (1, H)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    loss_sums, correct = [], []
-    for k in range(num_steps):
-        mask = step_attention_mask(attention, t, k, input_ids.device)
-        past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None  # 2 x (B, nkv, kT, D)
-        hidden, ids = step_inputs(feature, mask_feature, input_ids, drafter.config.mask_token_id, k)
-        _, logits, (key, value) = drafter(hidden, ids, position_ids(b, t, k, input_ids.device), past, mask)
-        keys.append(key)
-        values.append(value)
-        loss_sum, hits = score_step(logits, probs, train[k], k)
-        loss_sums.append(loss_sum)
-        correct.append(hits)
-    return combine_steps(loss_sums, correct, train, accuracy, decay, denominators)
+    token = drafter.config.mask_token_id
+    return unrolled_forward(drafter, feature, lambda k, _: step_inputs(feature, mask_feature, input_ids, token, k),
+                            input_ids, loss_mask, probs, in_vocab, num_steps, decay, attention, denominators)
 
 
 # --- naive reference ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -130,3 +130,9 @@ def remap_rows(
     out = fresh.clone().to(weight.dtype)
     out[kept] = weight[source[kept]]
     return out, int(kept.sum())
+
+
+def select_coverage(mapping: VocabMapping, count_tokens_fn: Callable[[], torch.Tensor]) -> float:
+    """Share of the counted tokens the mapping covers (its own counts, else `count_tokens_fn()`)."""
+    counts = mapping.counts if mapping.counts is not None else count_tokens_fn()
+    return mapping.coverage(counts)

@@ -1,5 +1,5 @@
 """The HTTP side of `eaglekit serve` (FastAPI): the pydantic models of a chat completion request, OpenAI-shaped
-errors, the JSON and SSE answers, and the routes over a `ChatServer` (`eaglekit.target.server`).
+errors, the JSON and SSE answers, and the routes over a `ChatServer` (`eaglekit.generation.server`).
 
 Imported when a server is built, not by `eaglekit serve --help`.
 """
@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic import Strict as StrictMode
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eaglekit.target.backends import EngineOutput
-from eaglekit.target.server_jobs import ChatRequest, Job, RequestError
+from eaglekit.generation.backends import EngineOutput
+from eaglekit.generation.server_jobs import ChatRequest, Job, RequestError
 
 log = logging.getLogger(__name__)
 

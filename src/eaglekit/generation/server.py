@@ -4,17 +4,18 @@ on FastAPI + uvicorn.
 Routes: `GET /v1/models`, `POST /v1/chat/completions` (JSON, or SSE `data:` chunks ending in `data: [DONE]` when
 `"stream": true`), `GET /metrics` (JSON counters plus the engine's own stats), `GET /health`. Errors are
 OpenAI-shaped JSON (`{"error": {"message", "type", "code", "param"}}`): 400 for a malformed request (the pydantic
-models of `eaglekit.target.server_api` say what is accepted), 401 for a wrong API key, 404 for an unknown model or
+models of `eaglekit.generation.server_api` say what is accepted), 401 for a wrong API key, 404 for an unknown model or
 route, 413 for an oversized body, 503 when the request queue is full, 500 when the engine fails.
 
 Generation is a blocking PyTorch call on one device, so ONE worker thread drains a bounded queue of jobs
-(`eaglekit.target.server_jobs`) and reports each job's tokens back to the event loop that serves its request; queued
+(`eaglekit.generation.server_jobs`) and reports each job's tokens back to the event loop that serves its request; queued
 non-streaming requests with equal sampling settings are generated as one batch. A client that leaves a stream cancels
 its generation at the next token. It is meant for local use (127.0.0.1 by default); put a real proxy in front of it
 before exposing it.
 
 Engine interface (`GenerationEngine`): `encode_chat(messages) -> list[int]`, `decode(ids) -> str`, `text_stream()
--> TextStream` (a streamed answer's text as its tokens arrive, each token decoded once: `eaglekit.target.server_text`),
+-> TextStream` (a streamed answer's text as its tokens arrive, each token decoded once:
+`eaglekit.generation.server_text`),
 `max_context: int | None`, `generate(prompt_ids, max_new_tokens, temperature, top_p, seed, on_tokens=None) ->
 EngineOutput` (`on_tokens(new_ids)` is called as tokens are produced; it may raise `GenerationCancelled`),
 `metrics() -> dict` (cumulative stats shown under `/metrics` "engine"), and optionally
@@ -31,9 +32,9 @@ import time
 from typing import Any, Protocol
 
 from eaglekit.errors import EaglekitError
-from eaglekit.target.backends import EngineOutput, GenerationCancelled
-from eaglekit.target.server_jobs import ChatRequest, Job, JobQueue, Metrics, RequestError
-from eaglekit.target.server_text import TextStream
+from eaglekit.generation.backends import EngineOutput, GenerationCancelled
+from eaglekit.generation.server_jobs import ChatRequest, Job, JobQueue, Metrics, RequestError
+from eaglekit.generation.server_text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,10 @@ __all__ = ["ChatRequest", "ChatServer", "GenerationEngine", "RequestError"]  # a
 
 def __getattr__(name: str) -> Any:
     if name == "parse_chat_request":  # with the web framework, imported when first asked for
-        from eaglekit.target.server_api import parse_chat_request
+        from eaglekit.generation.server_api import parse_chat_request
 
         return parse_chat_request
-    raise AttributeError(f"module 'eaglekit.target.server' has no attribute {name!r}")
+    raise AttributeError(f"module 'eaglekit.generation.server' has no attribute {name!r}")
 
 
 class GenerationEngine(Protocol):
@@ -74,7 +75,7 @@ class ChatServer:
         self.jobs, self.metrics, self.created = JobQueue(queue_size), Metrics(), int(time.time())
         import uvicorn
 
-        from eaglekit.target.server_api import build_app
+        from eaglekit.generation.server_api import build_app
 
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET

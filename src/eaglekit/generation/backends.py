@@ -2,7 +2,7 @@
 OpenAI-compatible `/v1/chat/completions` server (`OpenAIBackend`: vLLM, SGLang, `eaglekit serve`).
 
 Both answer `generate_batch(list of message lists, SamplingParams) -> list[Generation]`.
-`HFBackend` also implements the token-level engine interface that `eaglekit.target.server` serves
+`HFBackend` also implements the token-level engine interface that `eaglekit.generation.server` serves
 (`generate(prompt_ids, max_new_tokens, temperature, top_p, seed, on_tokens) -> EngineOutput`).
 
 Failure policy of `OpenAIBackend`: connection errors, timeouts, 5xx, 429 and unreadable answers are
@@ -134,7 +134,7 @@ class HFBackend:
         """The target and its tokenizer; `chat_template` (Jinja text or file) replaces the tokenizer's own."""
         from eaglekit.data.tokenize import resolve_chat_template
         from eaglekit.runtime import resolve_device, resolve_dtype
-        from eaglekit.target.loading import load_target, load_tokenizer
+        from eaglekit.targets.loading import load_target, load_tokenizer
 
         tokenizer = load_tokenizer(target, trust_remote_code)
         if chat_template:
@@ -154,8 +154,8 @@ class HFBackend:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def text_stream(self) -> Any:
-        """A `TextStream` (eaglekit.target.server_text): one generation's text as its tokens arrive."""
-        from eaglekit.target.server_text import TextStream
+        """A `TextStream` (eaglekit.generation.server_text): one generation's text as its tokens arrive."""
+        from eaglekit.generation.server_text import TextStream
 
         return TextStream(self.tokenizer, self._tokenizer_lock)
 
@@ -195,7 +195,7 @@ class HFBackend:
                 return EngineOutput(ids[:index], "stop")
         return EngineOutput(ids, "length")
 
-    # engine interface served by eaglekit.target.server
+    # engine interface served by eaglekit.generation.server
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> EngineOutput:
         params = SamplingParams(temperature, top_p, max_new_tokens, seed)

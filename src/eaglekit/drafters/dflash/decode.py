@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.tree import DraftTree, chain_from_logits
 from eaglekit.config.decode import DecodeOptions
-from eaglekit.drafters.dflash.model import check_block
+from eaglekit.decode.methods import SpeculativeMethod
+from eaglekit.decode.tree import DraftTree, chain_from_logits
+from eaglekit.drafters.dflash.model import DFlashDrafter, check_block
 
 
 class DFlashDrafterBackend:
@@ -67,3 +68,13 @@ def grow_dflash(drafter_backend: DFlashDrafterBackend, drafter, root_hidden: tor
     check_block(k, drafter.config.block_size)
     logits = drafter_backend.block_logits(root_token, start, k)  # (k, Vd)
     return chain_from_logits(drafter, logits, root_token, options, vocab_size, generator)
+
+
+def static_backend(drafter: torch.nn.Module, capacity: int, num_drafts: int, compile: bool):
+    from eaglekit.drafters.dflash.static import StaticDFlashDrafter
+
+    return StaticDFlashDrafter(drafter, capacity, num_drafts, compile)
+
+
+METHOD = SpeculativeMethod("dflash", grow_dflash, DFlashDrafterBackend, static_backend,
+                           lambda drafter: isinstance(drafter, DFlashDrafter), at_once=True)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from eaglekit.decode import graphs
-from eaglekit.decode.static import StaticExtend, _rotary_tables, attention
+from eaglekit.decode.static import StaticExtend, attention, rotary_tables
 
 
 class StaticDFlashNet(nn.Module):
@@ -29,7 +29,7 @@ class StaticDFlashNet(nn.Module):
         config = drafter.config
         param = drafter.fc.weight
         self.capacity, self.block = capacity, block
-        cos, sin = _rotary_tables(drafter.rotary_emb, capacity, param.dtype, param.device)
+        cos, sin = rotary_tables(drafter.rotary_emb, capacity, param.dtype, param.device)
         self.register_buffer("cos", cos, persistent=False)  # (capacity, D)
         self.register_buffer("sin", sin, persistent=False)
         shape = (1, config.num_key_value_heads, capacity + block, config.resolved_head_dim)

@@ -252,7 +252,7 @@ class HiddenStateDataset:
         m = self.manifest
         convention = m["aux_layer_convention"]
         if aux_layer_ids is not None and aux_layer_convention and aux_layer_convention != convention:
-            from eaglekit.target.capture import from_input_convention, to_input_convention
+            from eaglekit.targets.capture import from_input_convention, to_input_convention
 
             aux_layer_ids = from_input_convention(to_input_convention(tuple(aux_layer_ids), aux_layer_convention),
                                                   convention)

@@ -1,7 +1,7 @@
 """What a target's forward does to `final @ lm_head.T` before it returns its logits, read from its config.
 
 Training's soft labels are the target's next-token distribution computed from its stored final hidden state
-(`eaglekit.drafters.eagle3.ttt.soft_labels_from_hidden`), so they must apply the same steps as the model class:
+(`eaglekit.training.objective.soft_labels_from_hidden`), so they must apply the same steps as the model class:
 - Granite (granite, granitemoe, granitemoehybrid, ...): logits / `logits_scaling`
 - Cohere (cohere, cohere2): logits * `logit_scale`
 - Gemma-2/3 and others with `final_logit_softcapping` c: c * tanh(logits / c)

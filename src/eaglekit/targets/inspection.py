@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import HiddenStateCapture, default_aux_layers, find_decoder, text_config
-from eaglekit.target.identity import target_config_hash
-from eaglekit.target.loading import load_target
-from eaglekit.target.verify import verify_capture
+from eaglekit.targets.capture import HiddenStateCapture, default_aux_layers, find_decoder, text_config
+from eaglekit.targets.identity import target_config_hash
+from eaglekit.targets.loading import load_target
+from eaglekit.targets.verify import verify_capture
 
 
 def _probe_ids(model: nn.Module, length: int = 8) -> torch.Tensor:  # (1, length)

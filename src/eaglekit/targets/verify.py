@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from eaglekit.errors import EaglekitError
-from eaglekit.target.capture import HiddenStateCapture, describe_stacks, forward_target, text_config
+from eaglekit.targets.capture import HiddenStateCapture, describe_stacks, forward_target, text_config
 
 log = logging.getLogger(__name__)
 

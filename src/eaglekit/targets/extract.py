@@ -2,7 +2,7 @@
 padding-stripped rows to the shard writer, guarding a resumed store, and the store's manifest.
 
 `eaglekit.stages.extract` parses and validates the options and calls these in order; the store's layout is
-`eaglekit.target.store` (docs/extract.md).
+`eaglekit.targets.store` (docs/extract.md).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from tqdm import tqdm
 
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import atomic_write_json, write_manifest
-from eaglekit.target.identity import target_config_hash, tokenizer_hash
+from eaglekit.targets.identity import target_config_hash, tokenizer_hash
 
 if TYPE_CHECKING:  # torch and the capture code are imported by the functions that run, so `--help` stays fast
     import torch
 
-    from eaglekit.target.capture import HiddenStateCapture
-    from eaglekit.target.shard_writer import ShardWriter
-    from eaglekit.target.store import StoreLayout
+    from eaglekit.targets.capture import HiddenStateCapture
+    from eaglekit.targets.shard_writer import ShardWriter
+    from eaglekit.targets.store import StoreLayout
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def pad_batch(batch: list[Record], pad_id: int) -> tuple[torch.Tensor, torch.Ten
 def resolve_aux_ids(aux_layer_ids: tuple[int, ...], convention: str, num_layers: int,
                     target: str = "") -> tuple[int, ...]:
     """Requested ids in the input-of-layer convention (defaults when none given); checks the range."""
-    from eaglekit.target.capture import default_aux_layers, to_input_convention
+    from eaglekit.targets.capture import default_aux_layers, to_input_convention
 
     if not aux_layer_ids:  # three distinct layers (refused under 3 layers)
         return default_aux_layers(num_layers)
@@ -146,7 +146,7 @@ def rank_device(device_name: str, device_map: str, world: int) -> torch.device:
 
 
 def _our_files(out: Path) -> list[Path]:
-    from eaglekit.target.store import RUN_FILE
+    from eaglekit.targets.store import RUN_FILE
 
     names = ("shard-r*.safetensors", "shards-r*.jsonl", ".shard-r*.tmp", RUN_FILE, "manifest.json")
     return [p for pattern in names for p in out.glob(pattern)]
@@ -154,7 +154,7 @@ def _our_files(out: Path) -> list[Path]:
 
 def _claim_output(out: Path, identity: dict[str, Any], overwrite: bool) -> None:
     """Rank 0: refuse a store of a different run (unless overwriting), then record this run's identity."""
-    from eaglekit.target.store import RUN_FILE
+    from eaglekit.targets.store import RUN_FILE
 
     out.mkdir(parents=True, exist_ok=True)
     if overwrite:
@@ -173,7 +173,7 @@ def _claim_output(out: Path, identity: dict[str, Any], overwrite: bool) -> None:
 
 def prepare_output(out: Path, identity: dict[str, Any], overwrite: bool, rank: int, world: int) -> set[str]:
     """Guard resume against a different run, clean untrusted files; returns record ids already stored."""
-    from eaglekit.target.store import merge_shard_logs, read_shard_log
+    from eaglekit.targets.store import merge_shard_logs, read_shard_log
 
     if rank == 0:
         _claim_output(out, identity, overwrite)
@@ -190,8 +190,8 @@ def layout_and_identity(target_config: Any, tokenizer: Any, aux_ids: tuple[int, 
                         chat_template: str) -> tuple[StoreLayout, dict[str, Any]]:
     """The store's layout and the identity a resumed run must match (`RUN_FILE`, then the manifest)."""
     from eaglekit.layers import INPUT_OF_LAYER
-    from eaglekit.target.capture import text_config
-    from eaglekit.target.store import STORE_FORMAT, StoreLayout
+    from eaglekit.targets.capture import text_config
+    from eaglekit.targets.store import STORE_FORMAT, StoreLayout
 
     text = text_config(target_config)
     layout = StoreLayout(hidden_size=text.hidden_size, num_aux=len(aux_ids), dtype=dtype)
@@ -218,7 +218,7 @@ def batch_states(capture: HiddenStateCapture, index: torch.Tensor, layout: Store
 def storage_rows(aux: torch.Tensor, final: torch.Tensor, layout: StoreLayout) -> dict[str, torch.Tensor]:
     """(N, 3H) aux and (N, H) final rows -> the store's tensors in its dtype (float8: with per-row scales); every
     backend hands its rows to the shard writer through this."""
-    from eaglekit.target.store import quantize_rows
+    from eaglekit.targets.store import quantize_rows
 
     if layout.quantized:
         aux_q, aux_scale = quantize_rows(aux, layout.num_aux)
@@ -236,8 +236,8 @@ def extract_batches(model: torch.nn.Module, capture: HiddenStateCapture, batches
     """Forward every batch with the hooks on and hand its rows to the writer; returns tokens processed."""
     import torch
 
-    from eaglekit.target.capture import forward_target
-    from eaglekit.target.verify import check_hook_calls, check_shapes
+    from eaglekit.targets.capture import forward_target
+    from eaglekit.targets.verify import check_hook_calls, check_shapes
 
     device = input_device(model)
     pin = device.type == "cuda"
@@ -265,7 +265,7 @@ def verify_first(model: torch.nn.Module, capture: HiddenStateCapture, batches: l
     """Check the hooks against `output_hidden_states` on (the start of) the first record."""
     import torch
 
-    from eaglekit.target.verify import verify_capture
+    from eaglekit.targets.verify import verify_capture
 
     probe = batches[0][0].input_ids[:64][None] if batches else torch.arange(1, 9)[None]  # (1, T)
     return verify_capture(model, capture, probe.to(input_device(model))).to_dict()
@@ -275,8 +275,8 @@ def open_writer(out: Path, layout: StoreLayout, rank: int, parallelism: tuple[in
                 batch_tokens: int, pin: bool, metadata: dict[str, str], fsync: bool,
                 stats: dict[str, Any]) -> ShardWriter:
     """This rank's background shard writer (after its logged shards); records its size in `stats`."""
-    from eaglekit.target.shard_writer import ShardWriter
-    from eaglekit.target.store import read_shard_log
+    from eaglekit.targets.shard_writer import ShardWriter
+    from eaglekit.targets.store import read_shard_log
 
     threads, buffers = parallelism
     capacity = max(int(shard_mb * 2**20) // layout.bytes_per_token, batch_tokens)  # tokens: at least one batch
@@ -303,8 +303,8 @@ def write_manifest_for(out: Path, config: Any, target_class: str, decoder_path: 
     what a backend that never loads the model in this process (vLLM) knows."""
     from types import SimpleNamespace
 
-    from eaglekit.target.capture import text_config
-    from eaglekit.target.store import merge_shard_logs
+    from eaglekit.targets.capture import text_config
+    from eaglekit.targets.store import merge_shard_logs
 
     shards = merge_shard_logs(out)
     if isinstance(config, dict):

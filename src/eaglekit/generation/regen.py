@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import atomic_write_text
-from eaglekit.target.backends import BackendError, Generation, HFBackend, OpenAIBackend, SamplingParams
+from eaglekit.generation.backends import BackendError, Generation, HFBackend, OpenAIBackend, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch
 
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import atomic_path
-from eaglekit.target.store import StoreLayout, fsync_append, log_name, shard_name, write_safetensors
+from eaglekit.targets.store import StoreLayout, fsync_append, log_name, shard_name, write_safetensors
 
 log = logging.getLogger(__name__)
 

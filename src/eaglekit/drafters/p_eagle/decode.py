@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.tree import DraftTree, chain_from_logits
 from eaglekit.config.decode import DecodeOptions
+from eaglekit.decode.methods import SpeculativeMethod
+from eaglekit.decode.tree import DraftTree, chain_from_logits
+from eaglekit.drafters.eagle3.decode import EagerDrafter, static_backend, static_supported
 
 
 def parallel_logits(drafter_backend, drafter, root_logits: torch.Tensor, start: int | torch.Tensor,
@@ -44,3 +46,13 @@ def grow_parallel(drafter_backend, drafter, root_hidden: torch.Tensor, root_logi
     k = options.chain_length
     logits = parallel_logits(drafter_backend, drafter, root_logits, start, k)  # (k, Vd)
     return chain_from_logits(drafter, logits, root_token, options, vocab_size, generator)
+
+
+def first_ahead(drafter_backend, drafter, root_logits: torch.Tensor, start: int | torch.Tensor,
+                num_drafts: int) -> torch.Tensor:
+    """(k - 1, Vd): the first chain's mask-slot drafts (later ones come with each step's extend)."""
+    return parallel_logits(drafter_backend, drafter, root_logits, start, num_drafts)[1:]
+
+
+METHOD = SpeculativeMethod("parallel", grow_parallel, EagerDrafter, static_backend, static_supported, at_once=True,
+                           ahead=first_ahead)
