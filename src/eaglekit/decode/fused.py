@@ -77,7 +77,7 @@ def fused_shape(options: DecodeOptions) -> DecodeOptions:
 
 
 class FusedStep:
-    """Chains and trees, greedy or sampled, over a `static.StaticTarget` and a `static.StaticDrafter` (module
+    """Chains and trees, greedy or sampled, over a `static.StaticTarget` and a drafter type's static backend (module
     docstring). `Decoder` builds one per target backend and options shape (`fused_shape`)."""
 
     def __init__(self, target, drafter, options: DecodeOptions, vocab_size: int, method: SpeculativeMethod):

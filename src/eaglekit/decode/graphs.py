@@ -69,7 +69,7 @@ class GraphSteps:
     """The drafter backend a method's grow function sees inside the fused step: plain calls of a static drafter
     backend's step module (the graph is captured once around the whole step), the stable length as a tensor."""
 
-    def __init__(self, owner: Any, stable: torch.Tensor):  # owner: static.StaticDrafter or a StaticDFlashDrafter
+    def __init__(self, owner: Any, stable: torch.Tensor):  # owner: a drafter type's static backend
         self.owner, self.stable = owner, stable
 
     def draft_step(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):

@@ -200,7 +200,7 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
 
 
 def _embedding_verdict(report: dict[str, Any], wrapper_fixable: bool) -> None:
-    """The proposer's embedding lookup (engine_serving): a class with the interface can still fail to serve."""
+    """The proposer's embedding lookup (`serving`): a class with the interface can still fail to serve."""
     embedding = (report.get("serving") or {}).get("embedding") or {}
     if embedding.get("status") != "missing":
         return

@@ -11,7 +11,7 @@ For SGLang: the class in some module's `EntryClass` must have `set_eagle3_layers
 
 Multimodal wrappers hold the language model by composition (`self.language_model = ...`): the doctor
 finds the inner class and says whether the wrapper delegates. Nothing here is a table of known models.
-The facts are read by `engine_facts`, checked per engine by `engine_checks`; this module runs them and words the report.
+The facts are read by `facts`, checked per engine by `checks`; this module runs them and words the report.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from eaglekit import registry
 
 
 def drafter_type_support(source: Any, engine: str, drafter_type: str) -> dict[str, Any]:
-    """source: an `engine_source.EngineSource` of `engine` -> {"drafter_type", "served", "how", "evidence"}."""
+    """source: an `doctor.source.EngineSource` of `engine` -> {"drafter_type", "served", "how", "evidence"}."""
     marker = registry.get(drafter_type).engines.get(engine)
     if marker is None:
         return {"drafter_type": drafter_type, "served": False, "how": "",

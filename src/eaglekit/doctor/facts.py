@@ -1,6 +1,6 @@
 """Facts about a serving engine's source for `eaglekit doctor --engine`: the target as the engine sees it, the
 engine's registries, and what a class, its MRO, its decoder and its default-layers getter say, each with the file
-and line it was read from. `engine_checks` turns these into per-engine checks, `engine_doctor` into the report.
+and line it was read from. `checks` turns these into per-engine checks, `diagnose` into the report.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ delegates both interface methods to `self.language_model`, through vLLM's `vllm.
 entry point and `ModelRegistry.register_model`. Nothing in site-packages is edited.
 
 When the target's decoder names its embedding otherwise than vLLM's EAGLE proposer looks it up (GPT-NeoX's
-`embed_in` under the Transformers backend: see `engine_serving`), the plugin's subclass also makes the same
+`embed_in` under the Transformers backend: see `serving`), the plugin's subclass also makes the same
 module reachable under the name the proposer reads. Both can be needed at once; the plugin writes what is.
 
 What it does not cover: an inner decoder that does not collect aux states (a model change), a

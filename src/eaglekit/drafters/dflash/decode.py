@@ -63,7 +63,7 @@ def grow_dflash(drafter_backend: DFlashDrafterBackend, drafter, root_hidden: tor
                 root_token: torch.Tensor, start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
                 generator) -> tuple[DraftTree, torch.Tensor]:
     """The chain of `chain_length` drafts after `root_token` -> (tree, its (k+1, k+1) ancestors-or-self mask).
-    Same contract as `engine.grow_tree`; `root_hidden` and `root_logits` are not read."""
+    Same contract as EAGLE-3's `grow_tree`; `root_hidden` and `root_logits` are not read."""
     k = options.chain_length
     check_block(k, drafter.config.block_size)
     logits = drafter_backend.block_logits(root_token, start, k)  # (k, Vd)

@@ -71,7 +71,7 @@ class StaticDraftNet(nn.Module):
 
 
 class StaticDrafter(StaticExtend):
-    """Drafter backend over `StaticDraftNet` (the prefill extend of `backends.EagerDrafter`'s methods; the
+    """Drafter backend over `StaticDraftNet` (the prefill extend of `decode.EagerDrafter`'s methods; the
     speculative steps run in `fused.FusedStep`, which calls the step module through `graphs.GraphSteps`).
 
     Slots [0, capacity) hold target-feature positions; [capacity, capacity + draft_slots) this step's drafts.

@@ -42,7 +42,7 @@ def grow_parallel(drafter_backend, drafter, root_hidden: torch.Tensor, root_logi
                   root_token: torch.Tensor, start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
                   generator) -> tuple[DraftTree, torch.Tensor]:
     """The chain of `chain_length` drafts after `root_token` -> (tree, its (k+1, k+1) ancestors-or-self mask).
-    Same contract as `engine.grow_tree`; `root_hidden` is not read (the mask slots carry `mask_hidden`)."""
+    Same contract as EAGLE-3's `grow_tree`; `root_hidden` is not read (the mask slots carry `mask_hidden`)."""
     k = options.chain_length
     logits = parallel_logits(drafter_backend, drafter, root_logits, start, k)  # (k, Vd)
     return chain_from_logits(drafter, logits, root_token, options, vocab_size, generator)
