@@ -113,14 +113,16 @@ def write_random_chats(path: Path, count: int, answer_words: tuple[int, int], se
     return path
 
 
-def sampled_against_plain(decoder, prompts, method: str, samples: int) -> tuple[list, list, int]:
-    """`samples` seeded draws of 3 tokens at T=1 from the first two `prompts`, plain and with `method` (chain of 2) ->
-    (plain outputs, speculative outputs, drafts accepted in all), for a test of the output distribution."""
+def sampled_against_plain(decoder, prompts, method: str, samples: int, **options) -> tuple[list, list, int]:
+    """`samples` seeded draws of 3 tokens at T=1 from the first two `prompts`, plain and with `method` (chain of 2;
+    `options`: more decode options) -> (plain outputs, speculative outputs, drafts accepted in all), for a test of the
+    output distribution."""
     plain, speculative, accepted = [], [], 0
     for seed in range(samples):
         prompt = prompts[seed % 2]
         plain.append(decoder.generate(prompt, 3, method="plain", temperature=1.0, seed=seed).tokens)
-        result = decoder.generate(prompt, 3, method=method, chain_length=2, temperature=1.0, seed=10_000 + seed)
+        result = decoder.generate(prompt, 3, method=method, chain_length=2, temperature=1.0, seed=10_000 + seed,
+                                  **options)
         speculative.append(result.tokens[:3])
         accepted += sum(result.stats.accepted)
     return plain, speculative, accepted

@@ -27,6 +27,7 @@ TYPES = {  # drafter_type -> the package of its folder (its `TYPE`)
     "eagle3": "eaglekit.drafters.eagle3",
     "p-eagle": "eaglekit.drafters.p_eagle",
     "dflash": "eaglekit.drafters.dflash",
+    "dspark": "eaglekit.drafters.dspark",
 }
 
 
@@ -78,10 +79,10 @@ class DrafterType:
         """The training module (the contract of `eaglekit.training.objective`) over `drafter`."""
         raise NotImplementedError
 
-    def token_weighted(self, options: Any) -> bool:
-        """True when `step_weighting=tokens` divides each position's loss by the mean count of its mask per record
-        (positions laid out along the sequence, as TTT's steps); False when positions are sampled blocks."""
-        return True
+    def after_training(self, options: Any, drafter: Any, batches: Any) -> dict[str, Any]:
+        """Runs once a training run is done, on the final drafter (its config may be updated: what is saved) over the
+        validation batches (`batches()` gives them afresh) -> what the manifest records (DSpark: its calibration)."""
+        return {}
 
     def speculative_method(self, name: str) -> Any:
         """`eaglekit.decode.methods.SpeculativeMethod` of one of the methods this type `defines`."""

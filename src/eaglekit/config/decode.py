@@ -27,6 +27,8 @@ class DecodeOptions:
     tree_top_k: int = 8  # tree: children per expanded node, and nodes expanded per level
     total_tokens: int = 48  # tree: draft nodes verified per step (root excluded)
     chain_length: int = 4  # chain, parallel, dflash: drafts per step
+    verify_threshold: float = 0.0  # a drafter with a confidence head: verify only the drafts whose calibrated survival
+    # (the product of their confidences) is at least this; 0 = every draft
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0
 
@@ -35,6 +37,9 @@ class DecodeOptions:
             raise EaglekitError(f"unknown decode method '{self.method}'; use one of {', '.join(METHODS)}")
         if min(self.depth, self.tree_top_k, self.total_tokens, self.chain_length) < 1:
             raise EaglekitError("depth, tree_top_k, total_tokens and chain_length must all be >= 1")
+        if not 0.0 <= self.verify_threshold <= 1.0:
+            raise EaglekitError(f"verify_threshold={self.verify_threshold}: a survival probability, in [0, 1] "
+                                "(0 = verify every draft)")
 
     @property
     def draft_depth(self) -> int:

@@ -61,21 +61,35 @@ class TrainConfig:
     v_head_dim: int = option(0, "drafter_arch=mla: per-head value dims (0 = the MLA target's)")
     aux_layer_ids: tuple[int, ...] = option((), "target layers fed to fc, input-of-layer ids (as extract's); empty = "
                                             "init_from's, else (2, L//2, L-3), distinct ones under 7 layers")
-    mask_token_id: int = option(-1, "p-eagle, dflash: the token id the drafted (mask) positions read; -1 = "
-                                "init_from's, else p-eagle: the target's last vocabulary id, dflash: the tokenizer's "
-                                "mask, else pad, else end-of-sequence token")
+    mask_token_id: int = option(-1, "p-eagle, dflash, dspark: the token id the drafted (mask) positions read; -1 = "
+                                "init_from's, else p-eagle: the target's last vocabulary id, dflash and dspark: the "
+                                "tokenizer's mask, else pad, else end-of-sequence token")
     ttt_steps: int = option(7, "training-time-test steps K (eagle3); drafted positions trained per anchor (p-eagle: "
                             "the first from the target's states, the rest from mask_hidden; serve k <= this)")
-    step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k (dflash: of block position k+1; "
-                               "the DFlash paper's exp(-1/7) = 0.87 at block_size 16)")
-    block_size: int = option(16, "dflash: tokens per block, the bonus token then block_size - 1 mask tokens (serve "
-                             "k <= block_size - 1 drafts)")
-    draft_layers: int = option(5, "dflash: decoder layers of a fresh drafter (the published 8B drafters: 5)")
-    target_layer_ids: tuple[int, ...] = option((), "dflash: target layers whose states are the drafter's context, "
+    step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k (dflash, dspark: of drafted position "
+                               "k+1; the DFlash paper's exp(-1/7) = 0.87 at block_size 16, DeepSpec's exp(-1/4) = "
+                               "0.78)")
+    block_size: int = option(0, "dflash, dspark: tokens per block, the bonus token then mask tokens (dflash serves "
+                             "k <= block_size - 1 drafts, dspark k <= block_size); 0 = init_from's, else the type's "
+                             "published default: dflash 16, dspark 7")
+    draft_layers: int = option(5, "dflash, dspark: decoder layers of a fresh drafter (the published 8B drafters: 5)")
+    target_layer_ids: tuple[int, ...] = option((), "dflash, dspark: target layers whose states are the drafter's "
+                                               "context, "
                                                "OUTPUT-of-layer ids (vLLM's DFlash convention; extract them with "
                                                "aux_layer_ids = these + 1); empty = init_from's, else the store's "
                                                "(offline), else spread from 1 to L-3, one per drafter layer")
-    num_anchors: int = option(64, "dflash: blocks sampled per sequence and batch (anchor positions in the answers)")
+    num_anchors: int = option(64, "dflash, dspark: blocks sampled per sequence and batch (anchor positions in the "
+                              "answers)")
+    markov_rank: int = option(256, "dspark: rank r of the Markov head, the logit bias W2 . W1[previous token] "
+                              "(0 = none: a DFlash drafter in DSpark's layout)")
+    markov_head_type: str = option("vanilla", "dspark: the Markov head (vanilla: W2 . W1[x]; gated: a gate from the "
+                                   "hidden state and W1[x]; rnn: a state carried across the block); vLLM 0.32 serves "
+                                   "vanilla", choices=("vanilla", "gated", "rnn"))
+    confidence_head: bool = option(True, "dspark: a confidence head (the probability that a draft survives given its "
+                                   "prefix did), calibrated per position after training")
+    confidence_head_with_markov: bool = option(True, "dspark: the confidence head also reads W1[previous token]")
+    sample_from_anchor: bool = option(True, "dspark: every block slot drafts (the anchor's slot drafts the next "
+                                      "token: DeepSpec's layout); false: DFlash's fill-in layout")
     epochs: int = option(1, "passes over the training split")
     max_steps: int = option(0, "optimizer steps to run, over as many epochs as that takes (0 = `epochs` decides)")
     batch_size: int = option(4, "sequences per micro-batch per process")

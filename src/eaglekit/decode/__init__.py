@@ -108,6 +108,13 @@ class Decoder:
         if method != "plain":
             registry.check_method(method, self.drafter)
             speculative = registry.speculative_method(method)
+            if opts.verify_threshold > 0 and not speculative.confidence:
+                raise EaglekitError(f"verify_threshold={opts.verify_threshold} cuts a chain by the drafter's "
+                                    f"calibrated confidence, which method={method} has none of: use a drafter whose "
+                                    "method has one (a DSpark drafter with a confidence head, method=dspark), or "
+                                    "leave verify_threshold at 0")
+            if speculative.check is not None:
+                speculative.check(self.drafter, opts)
         width = 0 if method == "plain" else 1 + (opts.chain_length if method in CHAIN_METHODS else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
             raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + "

@@ -46,6 +46,10 @@ class DecodeStats:
     decode_seconds: float = 0.0
     target_forwards: int = 0
     discarded_steps: int = 0  # fused loop: steps launched ahead whose tokens came after the end (their time counts)
+    # the eager loop, a drafter with a confidence head: each step's drafts verified (a confidence cut) and the
+    # calibrated survival of each draft's prefix
+    verified: list[int] = field(default_factory=list)
+    survival: list[list[float]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -58,10 +62,13 @@ class DecodeStats:
         return [sum(a > i for a in self.accepted) / steps for i in range(self.max_drafts)]
 
     def to_dict(self) -> dict:
-        return {"tau": self.tau, "steps": len(self.accepted), "target_forwards": self.target_forwards,
-                "acceptance_per_position": self.acceptance_per_position(),
-                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
-                "discarded_steps": self.discarded_steps}
+        found = {"tau": self.tau, "steps": len(self.accepted), "target_forwards": self.target_forwards,
+                 "acceptance_per_position": self.acceptance_per_position(),
+                 "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                 "discarded_steps": self.discarded_steps}
+        if self.verified:
+            found["verified_per_step"] = sum(self.verified) / len(self.verified)
+        return found
 
 
 @dataclass
@@ -84,10 +91,10 @@ def verify(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, optio
            generator) -> Verdict:
     """logits (N, V) of the target after each node, ancestors (N, N) -> accepted path and bonus token."""
     if options.temperature <= 0:
-        return verify_greedy(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
+        return verify_greedy(tree.tokens, tree.parents, ancestors, logits.argmax(-1), tree.limit)
     probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
     if tree.draft_probs is not None:  # a chain of sampled drafts
-        return verify_sampled_chain(tree.tokens, probs, tree.draft_probs, generator)
+        return verify_sampled_chain(tree.tokens, probs, tree.draft_probs, generator, tree.limit)
     return verify_sampled_tree(tree.tokens, tree.parents, ancestors, probs, generator, tree.child_probs,
                                options.tree_top_k)
 
@@ -196,6 +203,10 @@ def decode_loop(target_backend, drafter_backend, drafter, prompt_ids: list[int],
             with record_function("eaglekit.verify_and_sync"):
                 verdict = verify(tree, ancestors, logits, options, generator)
             stats.accepted.append(verdict.num_accepted)
+            if tree.limit is not None:
+                stats.verified.append(int(tree.limit))
+            if tree.survival is not None:
+                stats.survival.append(tree.survival.tolist())
             path = verdict.path_tensor  # on the device: copying the host list back would be a second sync
             with record_function("eaglekit.keep"):
                 target_backend.keep(path)

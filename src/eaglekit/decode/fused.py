@@ -133,7 +133,7 @@ class FusedStep:
         logits, aux = target.net(tree.tokens, m + tree.depths, m + offsets, mask)
         if options.temperature > 0 and tree.draft_probs is not None:  # sampled chain: the p/q rule
             probs = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)
-            accepted, bonus = sampled_chain_path(tree.tokens, probs, tree.draft_probs, source)
+            accepted, bonus = sampled_chain_path(tree.tokens, probs, tree.draft_probs, source, tree.limit)
             order, count = offsets, accepted + 1
         else:  # greedy, or a sampled tree: each node's emitted token, walked like greedy (verify_sampled_tree)
             target_ids = (rejection_tree_tokens(tree.tokens, tree.parents,
@@ -141,7 +141,7 @@ class FusedStep:
                                                                 options.top_p),
                                                 tree.child_probs, options.tree_top_k, source)
                           if options.temperature > 0 else logits.argmax(-1))
-            on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids)
+            on_path, order, bonus = greedy_path(tree.tokens, tree.parents, ancestors, target_ids, tree.limit)
             count = on_path.sum()  # () nodes on the accepted path, root included
         path = order[: self.path]  # (P,) the path, then nodes that fill the padding rows
         target.net.compact(m, path)  # padding rows land past m + count, where the next verify writes

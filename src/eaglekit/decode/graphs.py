@@ -77,5 +77,9 @@ class GraphSteps:
         return self.owner.net(hidden, ids, positions, slots, mask)
 
     def block_logits(self, root_token: torch.Tensor, start: torch.Tensor, num_drafts: int) -> torch.Tensor:
-        """A DFlash block (`dflash_static.StaticDFlashDrafter`): the owner's own, already a fixed-shape function."""
+        """A block drafter's draft logits (DFlash's static backend): the owner's own, already a fixed-shape function."""
         return self.owner.block_logits(root_token, start, num_drafts)
+
+    def block_hidden(self, root_token: torch.Tensor, start: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """A block drafter's drafting slots' hidden states (DSpark's Markov loop reads them): the owner's own."""
+        return self.owner.block_hidden(root_token, start, num_drafts)

@@ -27,6 +27,9 @@ class DraftTree:
     # (N, V) distribution node i was drawn from (sampled chains); None = deterministic
     draft_probs: torch.Tensor | None = None
     child_probs: torch.Tensor | None = None  # (N, V) distribution node i's children were drawn from (sampled trees)
+    # () drafts verified: a chain cut where the drafter's calibrated survival falls below `verify_threshold`; None = all
+    limit: torch.Tensor | None = None
+    survival: torch.Tensor | None = None  # (N - 1,) the calibrated survival of each draft's prefix (a confidence head)
 
     @property
     def size(self) -> int:

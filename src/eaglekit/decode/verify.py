@@ -47,13 +47,17 @@ def greedy_path(
     parents: torch.Tensor,  # (N,) -1 for the root
     ancestors: torch.Tensor,  # (N, N) bool ancestors-or-self (`tree.ancestor_matrix`)
     target_ids: torch.Tensor,  # (N,) target argmax after each node
+    limit: torch.Tensor | None = None,  # () the deepest depth verified (a confidence cut); None = every node
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The longest correct root path, on the device with nothing read back -> (on_path (N,) bool, order (N,):
     the path's nodes first in tree order (root first), then the rest; bonus (1,): the target's token after it).
-    The path length is on_path.sum(). Tensor indexing throughout, not `[best]`: that would read `best` back."""
+    The path length is on_path.sum(). Tensor indexing throughout, not `[best]`: that would read `best` back.
+    Nodes deeper than `limit` are not verified: they count as wrong, so the bonus comes after at most `limit`."""
     correct = (tokens == target_ids[parents.clamp(min=0)]) | (parents < 0)  # (N,) the root is the target's own token
-    path_ok = ~(ancestors & ~correct[None, :]).any(dim=1)  # (N,) every ancestor-or-self correct
     depth = ancestors.sum(dim=1)  # (N,) 1 + depth
+    if limit is not None:
+        correct = correct & (depth <= limit + 1)
+    path_ok = ~(ancestors & ~correct[None, :]).any(dim=1)  # (N,) every ancestor-or-self correct
     best = torch.argmax(torch.where(path_ok, depth, torch.zeros_like(depth))).reshape(1)  # first deepest correct node
     on_path = ancestors.index_select(0, best)[0]  # (N,)
     order = torch.sort((~on_path).to(torch.uint8), stable=True).indices  # path nodes first, in tree order
@@ -65,9 +69,10 @@ def verify_greedy(
     parents: torch.Tensor,  # (N,) -1 for the root
     ancestors: torch.Tensor,  # (N, N) bool ancestors-or-self (`tree.ancestor_matrix`)
     target_ids: torch.Tensor,  # (N,) target argmax after each node
+    limit: torch.Tensor | None = None,  # () the deepest depth verified; None = every node
 ) -> Verdict:
     """Longest correct root path (`greedy_path`), with a single transfer to the host."""
-    on_path, order, bonus = greedy_path(tokens, parents, ancestors, target_ids)
+    on_path, order, bonus = greedy_path(tokens, parents, ancestors, target_ids, limit)
     n = tokens.shape[0]
     host = torch.cat([on_path.long(), tokens, bonus]).tolist()  # the one host sync of a step
     path = [i for i, on in enumerate(host[:n]) if on]
@@ -160,18 +165,24 @@ def sampled_chain_path(
     target_probs: torch.Tensor,  # (k+1, V) processed target distribution after each node
     draft_probs: torch.Tensor,  # (k+1, V) row i: the distribution draft i was drawn from (row 0 unused)
     generator: torch.Generator | PreDrawn | None = None,
+    limit: torch.Tensor | None = None,  # () drafts verified (a confidence cut); None = all k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling of a chain of sampled drafts, on the device with nothing read back -> (count ():
     accepted drafts, bonus (1,)).
 
     Draft i is accepted with min(1, p(x_i) / q(x_i)) while all before it were; at the first rejection the
     bonus is drawn from norm(max(0, p - q)) there (p itself if that is empty), after k accepts from the last
-    p: `verify_sampling`'s rule for a chain, all positions at once."""
+    p: `verify_sampling`'s rule for a chain, all positions at once. Drafts from `limit` on are not verified: the
+    chain is as if cut there (after `limit` accepts the bonus is drawn from p at the cut)."""
     k = tokens.shape[0] - 1
     p, q = target_probs[:-1].float(), draft_probs[1:].float()  # (k, V): p before draft i, q it was drawn from
     drafts = tokens[1:, None]
     ratio = p.gather(1, drafts)[:, 0] / q.gather(1, drafts)[:, 0].clamp(min=1e-30)  # (k,)
     accepted = rand((k,), generator, p.device) < ratio
+    if limit is not None:
+        verified = torch.arange(k, device=p.device) < limit  # (k,)
+        accepted = accepted & verified
+        q = q * verified[:, None]  # past the cut nothing was proposed: the bonus comes from p itself
     count = accepted.long().cumprod(0).sum()  # () leading accepts
     residual = (p - q).clamp(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q up to rounding: keep p
@@ -184,9 +195,10 @@ def verify_sampled_chain(
     target_probs: torch.Tensor,  # (k+1, V) processed target distribution after each node
     draft_probs: torch.Tensor,  # (k+1, V) row i: the distribution draft i was drawn from (row 0 unused)
     generator: torch.Generator | None = None,
+    limit: torch.Tensor | None = None,  # () drafts verified; None = all
 ) -> Verdict:
     """`sampled_chain_path` with one host sync."""
-    count, bonus = sampled_chain_path(tokens, target_probs, draft_probs, generator)
+    count, bonus = sampled_chain_path(tokens, target_probs, draft_probs, generator, limit)
     host = torch.cat([count.reshape(1), tokens, bonus]).tolist()  # the one host sync of a step
     n = host[0]
     return Verdict(path=list(range(n + 1)), tokens=host[2 : n + 2], bonus=int(host[-1]),

@@ -25,21 +25,25 @@ def verifier_path(name: str) -> str | None:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: model.safetensors, a sharded index, or pytorch_model.bin."""
+    """All tensors of a checkpoint dir: model.safetensors, a sharded index, or pytorch_model.bin, each in storage of
+    its own. (`safetensors.load_file` gives views of one buffer at the file's offsets, which need not be 64-byte
+    aligned; a CPU matmul then takes another kernel path and differs from the same weights elsewhere in the last
+    bit, and a round trip compares fp32 logits exactly.)"""
     single = directory / "model.safetensors"
-    if single.is_file():
-        return load_file(str(single))
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(str(directory / shard)))
-        return state
     binary = directory / "pytorch_model.bin"
-    if binary.is_file():
-        return torch.load(str(binary), map_location="cpu", weights_only=True)
-    raise EaglekitError(f"{directory} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    if single.is_file():
+        state = load_file(str(single))
+    elif index.is_file():
+        state = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(str(directory / shard)))
+    elif binary.is_file():
+        state = torch.load(str(binary), map_location="cpu", weights_only=True)
+    else:
+        raise EaglekitError(f"{directory} has no model.safetensors, model.safetensors.index.json or "
+                            "pytorch_model.bin")
+    return {name: tensor.clone() for name, tensor in state.items()}
 
 
 def read_config(directory: Path) -> dict[str, Any]:

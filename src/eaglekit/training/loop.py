@@ -329,6 +329,23 @@ class Trainer:
         self._write_metrics(metrics)
         return metrics
 
+    def validation_batches(self) -> Any:
+        """The validation split's batches on this process's device (all of them: the main process's use)."""
+        size = self.config.batch_size
+        for start in range(0, len(self.val_idx), size):
+            yield self.source.batch(self.val_idx[start : start + size], self.d.device, self.amp or torch.float32,
+                                    self.pad_to)
+
+    def after_training(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The drafter type's work on the finished drafter (`DrafterType.after_training`: DSpark calibrates its
+        confidence head), on an unwrapped copy of `state`; what it changes of the config is what gets saved."""
+        drafter = type(self.drafter)(self.drafter.config)
+        drafter.load_state_dict(state)
+        drafter.to(self.d.device).eval()
+        found = registry.get(self.config.drafter_type).after_training(self.config, drafter, self.validation_batches)
+        self.drafter.config = drafter.config
+        return found
+
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
         if self.d.main:
             with open(self.output / "metrics.jsonl", "a") as handle:
@@ -396,6 +413,8 @@ def train(config: TrainConfig, step_callback: Callable[[int, Any], None] | None 
         state = trainer.full_drafter_state()
         result = {"steps": trainer.position.step, "epochs": trainer.position.epoch, "val": final_val,
                   "train_records": len(trainer.train_idx), "val_records": len(trainer.val_idx)}
+        if d.main:
+            result.update({"after_training": found} if (found := trainer.after_training(state)) else {})
         if d.main:
             finish(config, trainer, state, identity, result)
     return {**result, "output": config.output, "config": to_dict(config)}

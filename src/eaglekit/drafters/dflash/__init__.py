@@ -65,7 +65,9 @@ class DFlashType(DrafterType):
         return import_for_target(source, output, options)
 
     def bench_options(self, train: Any) -> dict[str, Any]:
-        return {"chain_length": train.block_size - 1}  # the whole block
+        from eaglekit.drafters.dflash.model import DEFAULT_BLOCK_SIZE
+
+        return {"chain_length": (train.block_size or DEFAULT_BLOCK_SIZE) - 1}  # the whole block
 
 
 TYPE = DFlashType(

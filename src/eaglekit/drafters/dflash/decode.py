@@ -49,14 +49,21 @@ class DFlashDrafterBackend:
         empty = aux.new_zeros(aux.shape[0], 0)
         return empty, empty
 
+    first_slot = 1  # the block slot of the first draft: the bonus token's own output is unused (DFlash's layout)
+
+    def block_hidden(self, root_token: torch.Tensor, start: int | torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """root_token () at position `start` -> (k, H) the final hidden states of the block slots that draft (from
+        `first_slot` on)."""
+        device = root_token.device
+        q = self.first_slot + num_drafts
+        mask_id = self.drafter.config.mask_token_id
+        ids = torch.cat([root_token.reshape(1), torch.full((q - 1,), mask_id, dtype=torch.long, device=device)])
+        positions = torch.arange(q, device=device) + start  # (Q,)
+        return self.drafter.hidden_states(ids[None], positions[None], self.context)[0, self.first_slot :]  # (k, H)
+
     def block_logits(self, root_token: torch.Tensor, start: int | torch.Tensor, num_drafts: int) -> torch.Tensor:
         """root_token () at position `start` -> (k, Vd) draft logits of block positions 1..k."""
-        device = root_token.device
-        mask_id = self.drafter.config.mask_token_id
-        ids = torch.cat([root_token.reshape(1), torch.full((num_drafts,), mask_id, dtype=torch.long, device=device)])
-        positions = torch.arange(num_drafts + 1, device=device) + start  # (k+1,)
-        logits = self.drafter(ids[None], positions[None], self.context)  # (1, k+1, Vd)
-        return logits[0, 1:]
+        return self.drafter.lm_head(self.block_hidden(root_token, start, num_drafts))
 
 
 def grow_dflash(drafter_backend: DFlashDrafterBackend, drafter, root_hidden: torch.Tensor, root_logits: torch.Tensor,

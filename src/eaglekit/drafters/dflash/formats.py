@@ -137,39 +137,25 @@ def _rope(layer: dict[str, Any]) -> dict[str, Any]:
     return {"rope_type": "default", **scaling, "rope_theta": float(layer.get("rope_theta", QWEN3_DEFAULT_THETA))}
 
 
-def config_from(data: dict[str, Any], source: Path) -> DFlashConfig:
-    """A DFlashConfig from a vLLM-layout or speculators-layout config.json."""
-    if data.get("speculators_model_type") == "dflash":
-        layer = dict(data.get("transformer_layer_config") or {})
-        target_ids = [int(i) - 1 for i in data.get("aux_hidden_state_layer_ids") or []]
-        mask_id, block_size = data.get("mask_token_id"), data.get("block_size", DEFAULT_BLOCK_SIZE)
-        if data.get("sample_from_anchor"):
-            raise EaglekitError(f"{source}: sample_from_anchor=true drafts from the anchor position, which vLLM "
-                                "refuses and eaglekit does not implement")
-    else:
-        layer = data
-        dflash = data.get("dflash_config") or {}
-        target_ids = list(dflash.get("target_layer_ids") or [])
-        mask_id, block_size = dflash.get("mask_token_id", data.get("mask_token_id")), data.get("block_size", 16)
-    if not target_ids or mask_id is None:
-        raise EaglekitError(f"{source}/config.json names no target layers or mask_token_id (dflash_config."
-                            "target_layer_ids, dflash_config.mask_token_id): not a DFlash drafter eaglekit can read")
+def shape_fields(layer: dict[str, Any], data: dict[str, Any], source: Path) -> dict[str, Any]:
+    """The DFlashConfig fields of a checkpoint's layers (`layer`: a Qwen3 config dict) and identity (`data`: the
+    whole config.json); refuses the variants eaglekit does not implement (sliding-window or causal layers, biases)."""
     if layer.get("layer_types") and any(t != "full_attention" for t in layer["layer_types"]) \
             or (data.get("dflash_config") or {}).get("use_swa") or (data.get("dflash_config") or {}).get("causal"):
-        raise EaglekitError(f"{source}: a DFlash drafter with sliding-window or causal layers; eaglekit implements "
-                            "the standard one (full, non-causal attention in every layer)")
+        raise EaglekitError(f"{source}: a drafter with sliding-window or causal layers; eaglekit implements the "
+                            "standard one (full, non-causal attention in every layer)")
     if layer.get("attention_bias"):
-        raise EaglekitError(f"{source}: attention_bias=true; eaglekit's DFlash layers have no biases")
+        raise EaglekitError(f"{source}: attention_bias=true; eaglekit's block drafters have no biases")
     hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
     vocab = int(layer["vocab_size"])
     marker = data.get("eaglekit") or {}
-    return DFlashConfig(
+    return dict(
         hidden_size=hidden, intermediate_size=int(layer["intermediate_size"]), num_attention_heads=heads,
         num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
         num_hidden_layers=int(layer["num_hidden_layers"]), vocab_size=vocab,
         draft_vocab_size=int(data.get("draft_vocab_size") or vocab),
-        target_hidden_size=int(data.get("target_hidden_size") or hidden), target_layer_ids=tuple(target_ids),
-        mask_token_id=int(mask_id), block_size=int(block_size), head_dim=layer.get("head_dim") or hidden // heads,
+        target_hidden_size=int(data.get("target_hidden_size") or hidden),
+        head_dim=layer.get("head_dim") or hidden // heads,
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_parameters=_rope(layer),
         max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
         hidden_act=str(layer.get("hidden_act", "silu")),
@@ -178,15 +164,30 @@ def config_from(data: dict[str, Any], source: Path) -> DFlashConfig:
         target_num_layers=int(data.get("num_target_layers") or 0))
 
 
-def import_dflash(source: str | Path, lm_head: torch.Tensor | None = None) -> DFlashDrafter:
-    """Read a DFlash checkpoint (vLLM or speculators layout, or eaglekit's own). A checkpoint without
-    `lm_head.weight` drafts with the target's: pass it as `lm_head` (V, H), else it stays zero (`load_target_lm_head`
-    fills it)."""
-    source = Path(source)
-    data = read_config(source)
-    if data.get("format") == "eaglekit-dflash":
-        return DFlashDrafter.from_pretrained(source)
-    config = config_from(data, source)
+def config_from(data: dict[str, Any], source: Path) -> DFlashConfig:
+    """A DFlashConfig from a vLLM-layout or speculators-layout config.json."""
+    if data.get("speculators_model_type") == "dflash":
+        layer = dict(data.get("transformer_layer_config") or {})
+        target_ids = [int(i) - 1 for i in data.get("aux_hidden_state_layer_ids") or []]
+        mask_id, block_size = data.get("mask_token_id"), data.get("block_size", DEFAULT_BLOCK_SIZE)
+        if data.get("sample_from_anchor"):
+            raise EaglekitError(f"{source}: sample_from_anchor=true drafts from the anchor position, which vLLM "
+                                "refuses for DFlash; read it as a DSpark drafter (its layout) instead")
+    else:
+        layer = data
+        dflash = data.get("dflash_config") or {}
+        target_ids = list(dflash.get("target_layer_ids") or [])
+        mask_id, block_size = dflash.get("mask_token_id", data.get("mask_token_id")), data.get("block_size", 16)
+    if not target_ids or mask_id is None:
+        raise EaglekitError(f"{source}/config.json names no target layers or mask_token_id (dflash_config."
+                            "target_layer_ids, dflash_config.mask_token_id): not a DFlash drafter eaglekit can read")
+    return DFlashConfig(**shape_fields(layer, data, source), target_layer_ids=tuple(target_ids),
+                        mask_token_id=int(mask_id), block_size=int(block_size))
+
+
+def checkpoint_tensors(source: Path, config: DFlashConfig, lm_head: torch.Tensor | None = None) -> dict[str, Any]:
+    """A block drafter checkpoint's tensors under eaglekit's names: no `model.` prefix, the vocabulary mapping
+    completed (d2t, t2d), a missing lm_head the target's (`lm_head`, else zeros until `load_target_lm_head`), float."""
     state = {k.removeprefix("model."): v for k, v in read_weights(source).items()}
     state.pop("t2d", None)
     if "d2t" not in state:
@@ -200,18 +201,25 @@ def import_dflash(source: str | Path, lm_head: torch.Tensor | None = None) -> DF
     state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
     state["t2d"][torch.arange(config.draft_vocab_size) + d2t] = True
     state["d2t"] = d2t
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def import_dflash(source: str | Path, lm_head: torch.Tensor | None = None) -> DFlashDrafter:
+    """Read a DFlash checkpoint (vLLM or speculators layout, or eaglekit's own). A checkpoint without
+    `lm_head.weight` drafts with the target's: pass it as `lm_head` (V, H), else it stays zero (`load_target_lm_head`
+    fills it)."""
+    source = Path(source)
+    data = read_config(source)
+    if data.get("format") == "eaglekit-dflash":
+        return DFlashDrafter.from_pretrained(source)
+    config = config_from(data, source)
+    state = checkpoint_tensors(source, config, lm_head)
     return build_from_state(config, state, str(source))
 
 
-def import_for_target(source: Path, output: Path, options: Any) -> tuple[DFlashDrafter, dict[str, Any], str]:
-    """`eaglekit import` of a DFlash checkpoint (vLLM's or speculators' layout; a published z-lab checkpoint has no
-    lm_head: it drafts with the target's, `options.lm_head`) -> (drafter, summary fields, the line to print)."""
-    if options.aux_layer_ids:
-        raise EaglekitError("aux_layer_ids= overrides EAGLE-3 layers; a DFlash checkpoint names its own "
-                            "target_layer_ids: drop aux_layer_ids")
-    head = options.lm_head() if options.lm_head is not None else None
-    drafter = import_dflash(source, lm_head=head)
+def check_import_target(drafter: DFlashDrafter, source: Path, options: Any) -> dict[str, Any]:
+    """A block drafter read for `eaglekit import`, checked against the target of `options` -> its config dict made to
+    record that target (it must have an lm_head: its own, or the target's)."""
     if not bool(drafter.lm_head.weight.any()):
         raise EaglekitError(f"{source} has no lm_head: it drafts with the target's, so pass target=MODEL")
     data = drafter.config.to_dict()
@@ -223,7 +231,18 @@ def import_for_target(source: Path, output: Path, options: Any) -> tuple[DFlashD
         data.update(target_name_or_path=options.target_name,
                     target_architecture=options.target_architecture or data["target_architecture"],
                     target_num_layers=layers or data["target_num_layers"])
-    drafter.config = DFlashConfig.from_dict(data)
+    return data
+
+
+def import_for_target(source: Path, output: Path, options: Any) -> tuple[DFlashDrafter, dict[str, Any], str]:
+    """`eaglekit import` of a DFlash checkpoint (vLLM's or speculators' layout; a published z-lab checkpoint has no
+    lm_head: it drafts with the target's, `options.lm_head`) -> (drafter, summary fields, the line to print)."""
+    if options.aux_layer_ids:
+        raise EaglekitError("aux_layer_ids= overrides EAGLE-3 layers; a DFlash checkpoint names its own "
+                            "target_layer_ids: drop aux_layer_ids")
+    head = options.lm_head() if options.lm_head is not None else None
+    drafter = import_dflash(source, lm_head=head)
+    drafter.config = DFlashConfig.from_dict(check_import_target(drafter, source, options))
     summary = {"drafter_type": "dflash", "target_layer_ids": list(drafter.config.target_layer_ids),
                "block_size": drafter.config.block_size, "mask_token_id": drafter.config.mask_token_id,
                "draft_vocab_size": drafter.config.draft_vocab_size, "lm_head_from_target": head is not None}

@@ -230,6 +230,9 @@ class DFlashLayer(nn.Module):
 class DFlashDrafter(DraftVocabulary, nn.Module):
     """DFlash draft model. See the module docstring; `context` then `forward` is one drafting step."""
 
+    FORMAT = FORMAT  # the `format` of its saved config.json
+    config_class = DFlashConfig
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
@@ -255,6 +258,20 @@ class DFlashDrafter(DraftVocabulary, nn.Module):
         cos, sin = self.rotary_emb(states, position_ids)  # (B, T, D) each
         return [layer.self_attn.project_kv(states, cos, sin) for layer in self.layers]
 
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # (B, Q) block tokens: the bonus (anchor) token, then mask tokens
+        position_ids: torch.Tensor,  # (B, Q)
+        context: list[tuple[torch.Tensor, torch.Tensor]],  # per layer keys, values (B, nkv, S, D)
+        mask: Any = None,  # (B or 1, 1, Q, S + Q) bool, True = attend; flex BlockMask; None = attend to all
+    ) -> torch.Tensor:
+        """-> the block's final hidden states (B, Q, H), after `norm`: what `lm_head` reads."""
+        x = self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # (B, Q, H)
+        cos, sin = self.rotary_emb(x, position_ids)
+        for layer, layer_context in zip(self.layers, context):
+            x = layer(x, cos, sin, layer_context, mask)
+        return self.norm(x)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (B, Q) block tokens: the bonus (anchor) token, then mask tokens
@@ -263,11 +280,7 @@ class DFlashDrafter(DraftVocabulary, nn.Module):
         mask: Any = None,  # (B or 1, 1, Q, S + Q) bool, True = attend; flex BlockMask; None = attend to all
     ) -> torch.Tensor:
         """-> draft logits (B, Q, Vd); position j > 0 drafts the token at position_ids[:, j]."""
-        x = self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # (B, Q, H)
-        cos, sin = self.rotary_emb(x, position_ids)
-        for layer, layer_context in zip(self.layers, context):
-            x = layer(x, cos, sin, layer_context, mask)
-        return self.lm_head(self.norm(x))  # (B, Q, Vd)
+        return self.lm_head(self.hidden_states(input_ids, position_ids, context, mask))  # (B, Q, Vd)
 
     def shard_units(self) -> list[nn.Module]:
         """The modules FSDP shards one by one (the rest goes with the objective that wraps the drafter)."""
@@ -277,8 +290,8 @@ class DFlashDrafter(DraftVocabulary, nn.Module):
     def save_pretrained(self, directory: str | Path, include_embedding: bool = True) -> Path:
         """Write `config.json` + `model.safetensors` (eaglekit DFlash format), atomically."""
         return save_drafter_files(self, directory, include_embedding,
-                                  {"format": FORMAT, "drafter_type": DRAFTER_TYPE, "architectures": ["DFlashDrafter"],
-                                   **self.config.to_dict()})
+                                  {"format": self.FORMAT, "drafter_type": self.config.drafter_type,
+                                   "architectures": [type(self).__name__], **self.config.to_dict()})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu",
@@ -287,18 +300,20 @@ class DFlashDrafter(DraftVocabulary, nn.Module):
         directory = Path(directory)
         config_path, weights_path, data = read_drafter_config(directory,
                                                               "use `eaglekit import` for vLLM's DFlash layout")
-        if data.get("format") != FORMAT:
-            raise EaglekitError(f"{config_path} is not an eaglekit DFlash drafter; convert it with `eaglekit import "
-                                f"--source {directory}`")
-        config = DFlashConfig.from_dict(data)
+        if data.get("format") != cls.FORMAT:
+            raise EaglekitError(f"{config_path} is not an eaglekit {cls.config_class.__name__[:-6]} drafter; convert "
+                                f"it with `eaglekit import --source {directory}`")
+        config = cls.config_class.from_dict(data)
         state = read_drafter_state(weights_path, "re-run the stage that wrote it")
-        return build_from_state(config, state, str(weights_path)).to(device=device, dtype=dtype)
+        return build_from_state(config, state, str(weights_path), cls).to(device=device, dtype=dtype)
 
 
-def build_from_state(config: DFlashConfig, state: dict[str, torch.Tensor], source: str) -> DFlashDrafter:
-    """A drafter of `config` holding `state` (eaglekit names; `embed_tokens.weight` may be missing: zeros)."""
+def build_from_state(config: DFlashConfig, state: dict[str, torch.Tensor], source: str,
+                     cls: type | None = None) -> DFlashDrafter:
+    """A drafter of class `cls` (default `DFlashDrafter`) and `config` holding `state` (eaglekit names;
+    `embed_tokens.weight` may be missing: zeros)."""
     with torch.device("meta"):
-        model = DFlashDrafter(config)
+        model = (cls or DFlashDrafter)(config)
     missing = set(model.state_dict()) - set(state) - {"embed_tokens.weight"}
     unexpected = set(state) - set(model.state_dict())
     if missing or unexpected:

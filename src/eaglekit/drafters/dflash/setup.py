@@ -16,7 +16,12 @@ from typing import Any, Callable
 import torch
 
 from eaglekit.drafters.common import normal_init, target_shape
-from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from eaglekit.drafters.dflash.model import (
+    DEFAULT_BLOCK_SIZE,
+    DFlashConfig,
+    DFlashDrafter,
+    default_target_layer_ids,
+)
 from eaglekit.errors import EaglekitError
 from eaglekit.training.vocab import load_vocab, mapping_from_drafter, select_coverage, select_vocab
 
@@ -100,15 +105,18 @@ def read_init(options: Any, read_drafter: Callable[[str, int], Any], num_layers:
     return drafter
 
 
-def prepare_dflash(options: Any, target: Any) -> tuple[DFlashDrafter, str]:
-    """The DFlash drafter to train and a note on where its vocabulary came from. `target`
-    (`eaglekit.training.setup.TrainingTarget`): `store_aux_ids`, the extract store's input-of-layer ids (offline),
-    `lm_head()`, the target's lm_head (V, H), for a checkpoint without its own, `read_drafter(path, target layers)`
-    reads `init_from`."""
+def prepare_dflash(options: Any, target: Any,
+                   default_block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[DFlashDrafter, str]:
+    """The DFlash drafter to train (or `init_from`'s drafter of a type built on DFlash) and a note on where its
+    vocabulary came from. `target` (`eaglekit.training.setup.TrainingTarget`): `store_aux_ids`, the extract store's
+    input-of-layer ids (offline), `lm_head()`, the target's lm_head (V, H), for a checkpoint without its own,
+    `read_drafter(path, target layers)` reads `init_from`. `block_size=0` is `init_from`'s, else
+    `default_block_size`."""
     text_config, count_tokens_fn, store_ids = target.text_config, target.count_tokens, target.store_aux_ids
     num_layers = int(text_config.num_hidden_layers)
     if options.init_from:
         drafter = read_init(options, target.read_drafter, num_layers, target.lm_head)
+        options = dataclasses.replace(options, block_size=options.block_size or drafter.config.block_size)
         layer_ids = target_layers(dataclasses.replace(options, target_layer_ids=options.target_layer_ids
                                                       or drafter.config.target_layer_ids), num_layers, store_ids)
         check_init(options, drafter, text_config, layer_ids)
@@ -120,6 +128,7 @@ def prepare_dflash(options: Any, target: Any) -> tuple[DFlashDrafter, str]:
             raise EaglekitError(f"vocab={options.vocab} differs from the mapping of init_from={options.init_from}; "
                                 "fine-tuning keeps the drafter's mapping: drop vocab=")
         return drafter, f"kept from {options.init_from}"
+    options = dataclasses.replace(options, block_size=options.block_size or default_block_size)
     layer_ids = target_layers(options, num_layers, store_ids)
     torch.manual_seed(options.seed)
     vocab = load_vocab(options.vocab) if options.vocab else None
@@ -134,7 +143,7 @@ def prepare_dflash(options: Any, target: Any) -> tuple[DFlashDrafter, str]:
 
 
 def _with_config(drafter: DFlashDrafter, config: DFlashConfig) -> DFlashDrafter:
-    new = DFlashDrafter(config)
+    new = type(drafter)(config)
     new.load_state_dict(drafter.state_dict())
     new.embed_tokens.weight.requires_grad_(False)
     return new

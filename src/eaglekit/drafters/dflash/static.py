@@ -68,6 +68,15 @@ class StaticDFlashNet(nn.Module):
         mask: torch.Tensor,  # (1, 1, Q, capacity + Q) bool, True = attend
     ) -> torch.Tensor:
         """The block forward (`DFlashDrafter.forward`) -> draft logits (Q, Vd)."""
+        return self.drafter.lm_head(self.hidden(ids, positions, mask))
+
+    def hidden(
+        self,
+        ids: torch.Tensor,  # (Q,) the bonus token, then mask tokens
+        positions: torch.Tensor,  # (Q,)
+        mask: torch.Tensor,  # (1, 1, Q, capacity + Q) bool, True = attend
+    ) -> torch.Tensor:
+        """The block's final hidden states (`DFlashDrafter.hidden_states`) -> (Q, H)."""
         drafter = self.drafter
         x = drafter.embed_tokens(ids[None]).to(self.cos.dtype)  # (1, Q, H)
         cos, sin = self._rope(positions)
@@ -81,7 +90,7 @@ class StaticDFlashNet(nn.Module):
             v_cache.index_copy_(2, slots, values)
             x = x + attn.output(attention(attn.project_q(h, cos, sin), k_cache, v_cache, mask))  # (1, Q, H)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return drafter.lm_head(drafter.norm(x))[0]  # (Q, Vd)
+        return drafter.norm(x)[0]  # (Q, H)
 
 
 class StaticDFlashDrafter(StaticExtend):
@@ -90,12 +99,14 @@ class StaticDFlashDrafter(StaticExtend):
     `block_logits` drafts; the speculative steps run in `fused.FusedStep`."""
 
     state_sizes = (0, 0)  # DFlash keeps no per-position hidden state or draft logits between steps
+    first_slot = 1  # the block slot of the first draft: the bonus token's own output is unused (DFlash's layout)
 
     def __init__(self, drafter: nn.Module, capacity: int, num_drafts: int, compile: bool = False):
-        self.net = StaticDFlashNet(drafter, capacity, num_drafts + 1)
+        block = self.first_slot + num_drafts  # the bonus token, then mask tokens
+        self.net = StaticDFlashNet(drafter, capacity, block)
         self.device = self.net.cos.device
         self.capacity, self.stable_length = capacity, 0
-        self._columns = torch.arange(capacity + num_drafts + 1, device=self.device)
+        self._columns = torch.arange(capacity + block, device=self.device)
         self.compile = compile
         self._prefill = graphs.prefill_compiled(self._first_extend, compile)
         if compile:
@@ -111,13 +122,16 @@ class StaticDFlashDrafter(StaticExtend):
         empty = aux.new_zeros(t, 0)
         return empty, empty
 
-    def block_logits(self, root_token: torch.Tensor, start: int | torch.Tensor, num_drafts: int) -> torch.Tensor:
-        """root_token () at position `start` (= the context length) -> (k, Vd) draft logits of block positions 1..k."""
-        q = num_drafts + 1
+    def block_hidden(self, root_token: torch.Tensor, start: int | torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """root_token () at position `start` (= the context length) -> (k, H) the final hidden states of the block
+        slots that draft (from `first_slot` on)."""
+        q = self.first_slot + num_drafts
         mask_id = self.net.drafter.config.mask_token_id
-        ids = torch.cat([root_token.reshape(1), torch.full((num_drafts,), mask_id, dtype=torch.long,
-                                                           device=self.device)])
+        ids = torch.cat([root_token.reshape(1), torch.full((q - 1,), mask_id, dtype=torch.long, device=self.device)])
         positions = start + torch.arange(q, device=self.device)  # (Q,)
         visible = (self._columns < start) | (self._columns >= self.capacity)  # (capacity + Q,)
-        logits = self.net(ids, positions, visible.expand(q, -1)[None, None])  # (Q, Vd)
-        return logits[1:]
+        return self.net.hidden(ids, positions, visible.expand(q, -1)[None, None])[self.first_slot :]  # (k, H)
+
+    def block_logits(self, root_token: torch.Tensor, start: int | torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """root_token () at position `start` (= the context length) -> (k, Vd) draft logits of block positions 1..k."""
+        return self.net.drafter.lm_head(self.block_hidden(root_token, start, num_drafts))

@@ -91,9 +91,11 @@ def block_flex_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> Any
     return create_block_mask(mask_mod, b, None, n * block_size, seq_len + n * block_size, device=anchors.device)
 
 
-def drafted_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """anchors (B, N) -> (B, N, K) positions a + 1 + k of the tokens block position k + 1 drafts (K = S - 1)."""
-    return anchors[:, :, None] + 1 + torch.arange(block_size - 1, device=anchors.device)
+def drafted_positions(anchors: torch.Tensor, block_size: int, num_positions: int | None = None) -> torch.Tensor:
+    """anchors (B, N) -> (B, N, K) positions a + 1 + k of the tokens drafted position k drafts (K = S - 1 drafting
+    block positions here; `num_positions` for a layout that drafts from every slot, DSpark's)."""
+    k = block_size - 1 if num_positions is None else num_positions
+    return anchors[:, :, None] + 1 + torch.arange(k, device=anchors.device)
 
 
 def block_masks(
@@ -102,22 +104,24 @@ def block_masks(
     anchors: torch.Tensor,  # (B, N)
     valid: torch.Tensor,  # (B, N) bool
     block_size: int,
+    num_positions: int | None = None,  # K; default block_size - 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (train masks, accuracy masks), each (K, B, N): position k of block n drafts x_{a+1+k}, counted where it is
     an assistant token inside the sequence, trained where argmax L_{a+k} is also in the draft vocabulary."""
     t = loss_mask.shape[1]
-    drafted = drafted_positions(anchors, block_size)  # (B, N, K)
+    drafted = drafted_positions(anchors, block_size, num_positions)  # (B, N, K)
     at = drafted.clamp(max=t - 1)
     accuracy = valid[:, :, None] & (drafted < t) & torch.gather(loss_mask, 1, at.flatten(1)).view(at.shape)
     train = accuracy & torch.gather(in_vocab, 1, (at - 1).flatten(1)).view(at.shape)
     return train.permute(2, 0, 1), accuracy.permute(2, 0, 1)
 
 
-def block_labels(probs: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_labels(probs: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 num_positions: int | None = None) -> torch.Tensor:
     """probs (B, T, Vd) soft labels (softmax of L_t over the draft columns) -> (B, N, K, Vd): position k of block n
     learns softmax(L_{a+k}), the target's distribution of x_{a+1+k}."""
     b, t, vd = probs.shape
-    at = (drafted_positions(anchors, block_size) - 1).clamp(max=t - 1)  # (B, N, K)
+    at = (drafted_positions(anchors, block_size, num_positions) - 1).clamp(max=t - 1)  # (B, N, K)
     return torch.gather(probs, 1, at.flatten(1)[:, :, None].expand(-1, -1, vd)).view(*at.shape, vd)
 
 

@@ -1,0 +1,107 @@
+"""DSpark drafting (`method=dspark`): one block forward of the DFlash backbone, then the Markov head left to right.
+
+What vLLM 0.32 drafts with `{"method": "dspark"}` (`v1/worker/gpu/spec_decode/dspark/speculator.py`): the context is
+DFlash's (`eaglekit.drafters.dflash.decode`); the block [bonus token, mask ...] at positions m .. (k queries with
+`sample_from_anchor`, k + 1 in the fill-in layout) gives each drafted position's hidden state h_i and base logits
+lm_head(h_i); then for i = 0 .. k-1: logits_i = base_i + W2 · z(W1[x_prev]), x_prev the bonus token for i = 0 and the
+token drafted at i - 1 after; draft i is the argmax (T = 0) or a draw from softmax(logits_i / T) (the bias before the
+temperature), and feeds the next position.
+
+Sampling: draft i is drawn from q_i(· | drafts 0..i-1), the drafter's corrected distribution given the drafts before
+it; the chain's p/q rule (`verify.sampled_chain_path`) with these q_i keeps the target's distribution.
+
+Confidence-based verification (`verify_threshold` > 0, a drafter with a confidence head): the survival of draft i is
+the product of the calibrated confidences c_0..c_i (`DSparkDrafter.calibrated`); only the leading drafts whose survival
+is at least the threshold are verified (`DraftTree.limit`: the later ones count as rejected, the bonus comes from the
+target's distribution at the cut). Which drafts are verified depends on the drafts alone, never on the target, so the
+output keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekit.config.decode import DecodeOptions
+from eaglekit.decode.methods import SpeculativeMethod
+from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs, sample
+from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents
+from eaglekit.drafters.dflash.decode import DFlashDrafterBackend
+from eaglekit.drafters.dspark.model import DSparkDrafter, check_drafts
+from eaglekit.errors import EaglekitError
+
+
+class DSparkDrafterBackend(DFlashDrafterBackend):
+    """DFlash's reference backend (the context keys/values grown by `extend`), the drafting slots by the layout."""
+
+    def __init__(self, drafter: torch.nn.Module):
+        super().__init__(drafter)
+        self.first_slot = drafter.config.first_slot
+
+
+def markov_chain(
+    drafter: DSparkDrafter,
+    hidden: torch.Tensor,  # (k, H) post-norm hidden states of the k drafted positions
+    root_token: torch.Tensor,  # () the bonus token (target id)
+    options: DecodeOptions,
+    vocab_size: int,
+    generator,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The Markov loop (module docstring) -> (drafts (k,) target ids, the distributions they were drawn from (k, V)
+    or None at T = 0, raw confidence logits (k,) or None)."""
+    k = hidden.shape[0]
+    all_draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=hidden.device))
+    prev, state = root_token.reshape(1), None  # one-element tensors throughout: no value is read back (graphs)
+    drafts, probs, confidences = [], [], []
+    for i in range(k):
+        logits, e, state = drafter.position_logits(hidden[i : i + 1], prev, state)  # (1, Vd)
+        if options.temperature > 0:
+            q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
+            draft = sample(q, generator)  # (1,) one (1, 1) uniform, as a sampled EAGLE-3 chain draws each level
+            probs.append(draft_probs_to_target(q, all_draft_ids, vocab_size))
+        else:
+            draft = logits.argmax(-1)  # (1,)
+        prev = all_draft_ids.index_select(0, draft)  # (1,) target id
+        drafts.append(prev)
+        confidence = drafter.confidence_logits(hidden[i : i + 1], e)
+        if confidence is not None:
+            confidences.append(confidence)
+    return torch.cat(drafts), torch.cat(probs) if probs else None, torch.cat(confidences) if confidences else None
+
+
+def grow_dspark(drafter_backend, drafter: DSparkDrafter, root_hidden: torch.Tensor, root_logits: torch.Tensor,
+                root_token: torch.Tensor, start: int | torch.Tensor, options: DecodeOptions, vocab_size: int,
+                generator) -> tuple[DraftTree, torch.Tensor]:
+    """The chain of `chain_length` drafts after `root_token` -> (tree, its (k+1, k+1) ancestors-or-self mask).
+    Same contract as EAGLE-3's `grow_tree`; `root_hidden` and `root_logits` are not read."""
+    k = options.chain_length
+    hidden = drafter_backend.block_hidden(root_token, start, k)  # (k, H)
+    drafts, probs, confidences = markov_chain(drafter, hidden, root_token, options, vocab_size, generator)
+    tokens = torch.cat([root_token.reshape(1), drafts])  # (k+1,)
+    parents = chain_parents(k, tokens.device)
+    draft_probs = None if probs is None else torch.cat([torch.zeros_like(probs[:1]), probs])  # the root has none
+    tree = DraftTree(tokens, parents, torch.arange(k + 1, device=tokens.device), draft_probs=draft_probs)
+    if confidences is not None:
+        tree.survival = torch.cumprod(drafter.calibrated(confidences), 0)  # (k,)
+        if options.verify_threshold > 0:
+            tree.limit = (tree.survival >= options.verify_threshold).long().sum()  # survival only falls along a chain
+    return tree, ancestor_matrix(parents, k)
+
+
+def check(drafter: torch.nn.Module, options: DecodeOptions) -> None:
+    """What `method=dspark` refuses before drafting: a drafter of another type (the registry refuses it first), more
+    drafts than a block makes, a confidence threshold without a confidence head."""
+    check_drafts(options.chain_length, drafter.config)
+    if options.verify_threshold > 0 and not drafter.config.confidence_head:
+        raise EaglekitError(f"verify_threshold={options.verify_threshold} needs the drafter's confidence head, and "
+                            "this DSpark drafter has none: leave verify_threshold at 0, or train one with "
+                            "confidence_head=true")
+
+
+def static_backend(drafter: torch.nn.Module, capacity: int, num_drafts: int, compile: bool):
+    from eaglekit.drafters.dspark.static import StaticDSparkDrafter
+
+    return StaticDSparkDrafter(drafter, capacity, num_drafts, compile)
+
+
+METHOD = SpeculativeMethod("dspark", grow_dspark, DSparkDrafterBackend, static_backend,
+                           lambda drafter: isinstance(drafter, DSparkDrafter), check=check, confidence=True)
