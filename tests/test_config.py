@@ -128,3 +128,26 @@ def test_a_default_outside_its_own_range_is_a_programming_error():
     with pytest.raises(TypeError, match="breaks its own rule"):
         option(0, "steps", min=1)
 
+
+def test_every_numeric_option_of_every_stage_declares_its_range():
+    """A count, a rate, a fraction, an id: each option of a number (or of numbers) says what it may be, so that
+    `load_config` refuses a bad value before any work."""
+    import typing
+
+    from eaglekit.config import _hints, _strip_optional
+    from eaglekit.stages import STAGES, load_stage
+
+    def undeclared(cls: type, prefix: str = "") -> list[str]:
+        found, hints = [], _hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, _ = _strip_optional(hints[f.name])
+            if dataclasses.is_dataclass(tp):
+                found += undeclared(tp, f"{prefix}{f.name}.")
+                continue
+            items = typing.get_args(tp)[:1] if typing.get_origin(tp) in (tuple, list) else (tp,)
+            if items and items[0] in (int, float) and f.metadata.get("rule") is None:
+                found.append(prefix + f.name)
+        return found
+
+    missing = [f"{name}: {key}" for name in STAGES for key in undeclared(load_stage(name).Config)]
+    assert not missing, missing

@@ -35,6 +35,9 @@ class DecodeOptions:
             raise EaglekitError(f"unknown decode method '{self.method}'; use one of {', '.join(METHODS)}")
         if min(self.depth, self.tree_top_k, self.total_tokens, self.chain_length) < 1:
             raise EaglekitError("depth, tree_top_k, total_tokens and chain_length must all be >= 1")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise EaglekitError(f"temperature must be >= 0 (0 = greedy), top_k >= 0 (0 = off) and top_p in (0, 1], "
+                                f"not {self.temperature}, {self.top_k} and {self.top_p}")
 
     @property
     def draft_depth(self) -> int:

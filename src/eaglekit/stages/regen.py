@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglekit.config import option, save_resolved
+from eaglekit.config import check_options, option, save_resolved
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import atomic_write_json, file_sha256, write_manifest
 from eaglekit.generation.backends import BackendError, HFBackend, OpenAIBackend, SamplingParams
@@ -61,16 +61,16 @@ class Config:
     model: str = option("", "openai backend: model name to request (default: the first one /v1/models lists)")
     api_key: str = option("", "openai backend: API key (default: $OPENAI_API_KEY); never written to disk")
     turns: str = option("all", "answer every user turn, or only the first", choices=("all", "first"))
-    temperature: float = option(0.0, "sampling temperature (0 = greedy)")
-    top_p: float = option(1.0, "nucleus sampling cut (1 = off)")
-    max_new_tokens: int = option(1024, "most tokens per generated answer")
-    seed: int = option(0, "sampling seed; each record's seed is derived from it and the record id")
-    batch_size: int = option(8, "hf backend: conversations generated together")
-    concurrency: int = option(16, "openai backend: requests in flight at once")
-    timeout: float = option(600.0, "openai backend: seconds before one request is abandoned (and retried)")
-    retries: int = option(3, "openai backend: retries per request on connection errors, 5xx and garbage answers")
-    backoff: float = option(1.0, "openai backend: seconds before the first retry, doubled for each next one")
-    limit: int = option(0, "regenerate only the first N records of the data (0 = all)")
+    temperature: float = option(0.0, "sampling temperature (0 = greedy)", min=0)
+    top_p: float = option(1.0, "nucleus sampling cut (1 = off)", above=0, max=1)
+    max_new_tokens: int = option(1024, "most tokens per generated answer", min=1)
+    seed: int = option(0, "sampling seed; each record's seed is derived from it and the record id", min=0)
+    batch_size: int = option(8, "hf backend: conversations generated together", min=1)
+    concurrency: int = option(16, "openai backend: requests in flight at once", min=1)
+    timeout: float = option(600.0, "openai backend: seconds before one request is abandoned (and retried)", above=0)
+    retries: int = option(3, "openai backend: retries per request on connection errors, 5xx and garbage answers", min=0)
+    backoff: float = option(1.0, "openai backend: seconds before the first retry, doubled for each next one", min=0)
+    limit: int = option(0, "regenerate only the first N records of the data (0 = all)", min=0)
     skip_errors: bool = option(False, "skip malformed input records instead of stopping")
     device: str = option("auto", "hf backend: device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "hf backend: dtype (auto = bf16 on GPU, fp32 on CPU)")
@@ -119,6 +119,7 @@ def _load_todo(config: Config, finished: set[str]) -> tuple[list[Pending], int, 
 
 
 def _validate(config: Config) -> None:
+    check_options(config)  # each option within its declared range (the CLI's load_config checked them already)
     if not config.data:
         raise EaglekitError("no prompts given: eaglekit regen FILE.jsonl output=DIR ...")
     if not config.output:
@@ -128,10 +129,6 @@ def _validate(config: Config) -> None:
                             "backend=openai servers=URL")
     if config.backend == "openai" and not config.servers:
         raise EaglekitError("backend=openai needs servers=URL[,URL...], e.g. servers=http://127.0.0.1:8000")
-    if config.max_new_tokens < 1 or config.batch_size < 1 or config.concurrency < 1:
-        raise EaglekitError("max_new_tokens, batch_size and concurrency must be >= 1")
-    if config.temperature < 0 or not 0 < config.top_p <= 1:
-        raise EaglekitError("temperature must be >= 0 and top_p in (0, 1]")
 
 
 def run(config: Config) -> RegenResult:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
@@ -45,6 +45,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Config:
+    # the options' ranges (the run's and every section's) are checked when the run plans: one error naming the
+    # stage that would refuse each (`check_sections`)
+    CHECK_ON_LOAD: ClassVar[bool] = False
+
     target: str = option("", "target model directory, hub id or 'tiny' (the built-in tiny target)")
     data: tuple[str, ...] = option((), "prompt/conversation files; 'tiny' = the shipped tiny prompts; paths "
                                        "may be package-relative")
@@ -68,9 +72,9 @@ class Config:
                                                 "benched into bench-<type>/ on the same prompts. Empty: "
                                                 "train.drafter_type alone")
     extract_processes: int = option(1, "> 1: run extract under torchrun with this many processes (one GPU "
-                                       "each, data-parallel)")
+                                       "each, data-parallel)", min=1)
     train_processes: int = option(1, "> 1: run train under torchrun with this many processes (DDP, or FSDP2 with "
-                                     "train.distributed=fsdp)")
+                                     "train.distributed=fsdp)", min=1)
     regen: _regen.Config = option(_regen.Config(), "regen options (section)")
     extract: _extract.Config = option(_extract.Config(), "extract options (section)")
     vocab: _vocab.Config = option(_vocab.Config(), "vocab options (section)")
@@ -123,8 +127,6 @@ def _check(config: Config) -> tuple[str, ...]:
     if ("bench" in stages or "export" in stages) and "train" not in stages:
         raise EaglekitError("bench and export use the drafter that train writes: keep train in stages "
                             "(a finished train stage is skipped on re-run, not trained again)")
-    if config.extract_processes < 1 or config.train_processes < 1:
-        raise EaglekitError("extract_processes and train_processes must be >= 1")
     if config.extract_processes > 1 and config.capture == "vllm":
         raise EaglekitError("capture=vllm runs one engine (it shards the target itself: extract.tensor_parallel_size); "
                             "use extract_processes=1")
@@ -231,8 +233,23 @@ def _data_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[
     return [step], (str(out / "regen" / _regen.OUTPUT_FILE),), ("regen",)
 
 
+def check_sections(config: Config) -> None:
+    """Every option of every section (and of the run) within its declared range, or one error naming each bad one
+    as `section.key` and the stages that would refuse them."""
+    from eaglekit.config import option_problems, out_of_range
+
+    problems = option_problems(config)
+    if not problems:
+        return
+    stages = list(dict.fromkeys(p.key.split(".")[0] if "." in p.key else "run" for p in problems))
+    who = ", ".join(stages[:-1]) + (" and " if len(stages) > 1 else "") + stages[-1]
+    raise EaglekitError(f"{who} would refuse {'this option' if len(problems) == 1 else 'these options'}, so nothing "
+                        f"ran: {out_of_range(problems)}")
+
+
 def plan(config: Config) -> list[Step]:
     """Every step of this run with its config built (so a bad option fails before anything runs)."""
+    check_sections(config)
     stages = _check(config)
     out, target = Path(config.out), _target_inputs(config.target)
     data = tuple(resolve_data_path(d) for d in config.data)

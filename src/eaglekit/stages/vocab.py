@@ -34,8 +34,9 @@ class Config:
     target: str = option("", "target model (path, hub id or 'tiny'): its tokenizer and vocabulary size")
     output: str = option("", "output directory for vocab.safetensors")
     # 32000 = eaglekit.training.vocab.DEFAULT_SIZE, written out to keep torch out of `--help` (tests/test_cli.py checks)
-    size: int = option(32000, "draft vocabulary size N (the whole target vocabulary if smaller)")
-    max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training)")
+    size: int = option(32000, "draft vocabulary size N (the whole target vocabulary if smaller)", min=1)
+    max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training; 0 = no "
+                                   "limit)", min=0)
     chat_template: str = option("", "chat template (Jinja text or .jinja file) overriding the tokenizer's")
     init_from: str = option("", "an existing eaglekit drafter: its mapping is kept (fine-tuning)")
     rebuild: bool = option(False, "with init_from: build a new mapping anyway (train then remaps lm_head rows)")

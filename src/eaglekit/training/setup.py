@@ -40,6 +40,9 @@ class TrainingTarget:
 
 
 def _check(config: Any, world: int) -> None:
+    from eaglekit.config import check_options
+
+    check_options(config)  # each option within its declared range (the CLI's load_config checked them already)
     if not config.output:
         raise EaglekitError("no output directory: pass output=DIR")
     if not config.target:
@@ -62,10 +65,6 @@ def _check(config: Any, world: int) -> None:
         if importlib.util.find_spec("accelerate") is None:
             raise EaglekitError(f"device_map={config.device_map} needs the `accelerate` package, which is not "
                                 f"installed: {install_hint('accelerate')}")
-    if config.ttt_steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
-        raise EaglekitError("ttt_steps, batch_size and grad_accum must be at least 1")
-    if config.init_std < 0:
-        raise EaglekitError(f"init_std must be >= 0 (0 = torch's default initialisation), got {config.init_std}")
     if config.init_std > 0 and config.init_from:
         raise EaglekitError(f"init_std={config.init_std} initialises a fresh drafter, but "
                             f"init_from={config.init_from} brings its own weights: drop one of them")
