@@ -1,14 +1,33 @@
-"""Options out of range: refused before any work, in ONE error line that lists every bad option (by `section.key` in
-`eaglekit run`), with nothing left on disk (docs/errors.md lists each case)."""
+"""Options out of range and data a stage cannot read: refused before any work, in ONE error line that lists every bad
+option (by `section.key` in `eaglekit run`) or names the stage that reads the bad line, with a fix that works; nothing
+left on disk that a later run would trust (docs/errors.md lists each case)."""
 
 from __future__ import annotations
 
 import pytest
 
 import eaglekit
+from eaglekit.cli import main
 from eaglekit.errors import EaglekitError
 
-from user_errors import assert_unchanged, in_process, snapshot
+from user_errors import CHAT, assert_unchanged, in_process, snapshot, write_jsonl
+
+RUN_BUDGET = ("stages=regen,extract,vocab,train,bench", "device=cpu", "regen.max_new_tokens=4", "extract.max_length=64",
+              "extract.dtype=fp32", "extract.shard_mb=1", "vocab.size=64", "train.max_steps=1", "train.batch_size=2",
+              "train.ttt_steps=1", "train.max_length=64", "train.val_fraction=0", "bench.methods=plain",
+              "bench.temperatures=0", "bench.num_prompts=1", "bench.max_new_tokens=2", "bench.repeats=1",
+              "bench.warmup=0")
+
+
+@pytest.fixture
+def malformed(tmp_path):
+    """The shipped tiny prompts with a line that is not JSON at line 7."""
+    from eaglekit.data.readers import SHIPPED_DATA
+
+    lines = SHIPPED_DATA["tiny"].read_text().splitlines(keepends=True)[:12]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(lines[:6]) + '{"messages": [broken\n' + "".join(lines[6:]))
+    return path
 
 
 # ---- option values -----------------------------------------------------------------------------------
@@ -66,3 +85,46 @@ def test_run_lists_every_bad_option_of_every_section_before_the_first_stage(tmp_
         assert fragment in line, line
     assert_unchanged(before, tmp_path)
     assert not (tmp_path / "run").exists()
+
+
+# ---- data --------------------------------------------------------------------------------------------
+
+def test_run_names_the_stage_that_reads_a_malformed_line_and_a_fix_that_works(malformed, tmp_path, capsys):
+    """The line is met before anything runs, for the first stage that reads it; `skip_errors=true` on the run skips it
+    in every stage (a section's own skips it in that stage alone: bench, reading the data as its prompts, still
+    stops)."""
+    run = ("run", "--target", "tiny", "--data", str(malformed), "--out", str(tmp_path / "run"), *RUN_BUDGET)
+    before = snapshot(tmp_path)
+    line = in_process(capsys, *run)
+    assert "regen would stop at its data, so nothing ran: " in line and "prompts.jsonl:7: not valid JSON" in line
+    assert "set skip_errors=true" in line
+    line = in_process(capsys, *run, "regen.skip_errors=true")
+    assert "bench would stop at its data, so nothing ran: " in line and "prompts.jsonl:7" in line
+    assert_unchanged(before, tmp_path)
+    assert not (tmp_path / "run").exists()
+    assert main([*run, "skip_errors=true"]) == 0, capsys.readouterr().err
+    regenerated = (tmp_path / "run" / "regen" / "conversations.jsonl").read_text().splitlines()
+    assert len(regenerated) == 12  # the good records, the malformed one skipped
+
+
+def test_a_regen_that_fails_on_its_input_leaves_nothing_behind(malformed, chat_target, tmp_path, capsys):
+    line = in_process(capsys, "regen", str(malformed), f"target={chat_target}", f"output={tmp_path / 'r'}")
+    assert "prompts.jsonl:7: not valid JSON" in line and "set skip_errors=true" in line
+    assert not (tmp_path / "r").exists()
+    good = write_jsonl(tmp_path / "good.jsonl", [{"id": "a", "messages": CHAT}])
+    in_process(capsys, "regen", str(good), f"target={tmp_path / 'no-model'}", f"output={tmp_path / 'r'}")
+    left = sorted(p.name for p in (tmp_path / "r").iterdir()) if (tmp_path / "r").exists() else []
+    assert not {"config.yaml", "settings.json", "conversations.jsonl", "manifest.json"} & set(left), left
+
+
+def test_prompt_only_data_is_pointed_at_regen(tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "messages": CHAT[:1]} for i in range(4)])
+    line = in_process(capsys, "extract", str(prompts), "target=tiny", f"output={tmp_path / 'x'}", "dtype=fp32",
+                      "device=cpu")
+    assert "none of the 4 records has assistant tokens to learn from: the data holds prompts only" in line
+    assert f"`eaglekit regen {prompts} output=DIR target=T`" in line
+    line = in_process(capsys, "vocab", str(prompts), "target=tiny", f"output={tmp_path / 'v'}")
+    assert "`eaglekit regen PROMPTS output=DIR target=T`" in line
+    line = in_process(capsys, "train", "target=tiny", f"data={prompts}", f"output={tmp_path / 't'}", "device=cpu")
+    assert f"`eaglekit regen {prompts} output=DIR target=tiny`" in line
+    assert not (tmp_path / "x" / "manifest.json").exists()

@@ -30,6 +30,7 @@ class TrainConfig:
                              "model itself online)")
     shards: str = option("", "offline mode: an `extract` output directory")
     data: tuple[str, ...] = option((), "online mode: conversation files; the target runs in-process")
+    skip_errors: bool = option(False, "online mode: skip malformed records of data (counted) instead of stopping")
     output: str = option("", "output directory")
     vocab: str = option("", "vocab.safetensors (or its directory); empty = the init_from drafter's, "
                             "else built from the data")

@@ -49,6 +49,7 @@ class Config:
     target: str = option("", "target model directory, hub id or 'tiny'")
     drafter: str = option("", "eaglekit drafter directory (for chain and tree)")
     prompts: str = option("", "prompt file: JSONL/JSON conversations (OpenAI messages, ShareGPT, prompt/completion)")
+    skip_errors: bool = option(False, "skip malformed records of the prompt file (counted) instead of stopping")
     output: str = option("runs/bench", "directory for bench.json, bench.md, bench.png")
     overwrite: bool = option(False, "write into an output directory that is not empty and was not written by bench")
     methods: tuple[str, ...] = option(DEFAULT_METHODS, "methods to measure (subset of: " + ", ".join(ALL_METHODS) +
@@ -315,7 +316,7 @@ def run(config: Config) -> dict[str, Any]:
         from eaglekit.targets.loading import local_model_dir
 
         check_served(engine, local_model_dir(config.target))
-    conversations = read_conversations(config.prompts)
+    conversations = read_conversations(config.prompts, skip_errors=config.skip_errors)
     if config.num_prompts:
         conversations = conversations[: config.num_prompts]
     if not conversations:

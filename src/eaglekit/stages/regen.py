@@ -24,7 +24,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eaglekit.config import check_options, option, save_resolved
 from eaglekit.errors import EaglekitError
@@ -41,6 +41,9 @@ from eaglekit.generation.regen import (
     regen_openai,
     scan_finished,
 )
+
+if TYPE_CHECKING:
+    from eaglekit.data import Conversation
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,14 @@ class RegenResult:
     stats: dict[str, Any]
 
 
+def _settings(config: Config) -> dict[str, Any]:
+    return {key: getattr(config, key) for key in SETTINGS_KEYS}
+
+
 def _check_settings(config: Config, directory: Path) -> None:
-    """A resumed run must generate the same way as the run that wrote the existing records."""
-    settings = {key: getattr(config, key) for key in SETTINGS_KEYS}
+    """A resumed run must generate the same way as the run that wrote the existing records (written once the backend
+    is up)."""
+    settings = _settings(config)
     path = directory / SETTINGS_FILE
     if path.is_file() and (directory / OUTPUT_FILE).is_file() and (directory / OUTPUT_FILE).stat().st_size > 0:
         old = {"chat_template": "", **json.loads(path.read_text())}  # written before chat_template was a setting
@@ -95,15 +103,18 @@ def _check_settings(config: Config, directory: Path) -> None:
         if changed:
             raise EaglekitError(f"{directory} holds records generated with other settings ({'; '.join(changed)}); "
                                 "use another output= directory, or restore those settings to resume")
-    atomic_write_json(path, settings)
 
 
-def _load_todo(config: Config, finished: set[str]) -> tuple[list[Pending], int, int]:
+def _read(config: Config) -> list[Conversation]:
+    """The prompt records (the first `limit`), read before anything is written: bad input leaves no output."""
     from eaglekit.data import read_conversations
 
     conversations = read_conversations(list(config.data), skip_errors=config.skip_errors)
-    if config.limit > 0:
-        conversations = conversations[: config.limit]
+    return conversations[: config.limit] if config.limit > 0 else conversations
+
+
+def _load_todo(config: Config, conversations: list[Conversation],
+               finished: set[str]) -> tuple[list[Pending], int, int]:
     todo, skipped = [], 0
     for conversation in conversations:
         if conversation.id in finished:
@@ -135,34 +146,22 @@ def run(config: Config) -> RegenResult:
     from eaglekit.manifest import claim_output, write_errors
 
     _validate(config)
+    conversations = _read(config)  # a malformed record stops the run here, before the output is made
     directory = claim_output(config.output, "regen", config.overwrite)
     with write_errors(directory, "regenerated records"):
-        return _run(config, directory)
+        return _run(config, directory, conversations)
 
 
-def _run(config: Config, directory: Path) -> RegenResult:
+def _run(config: Config, directory: Path, conversations: list[Conversation]) -> RegenResult:
     _check_settings(config, directory)
-    (directory / "manifest.json").unlink(missing_ok=True)  # written again only when every record is done
-    save_resolved(dataclasses.replace(config, api_key="<redacted>" if config.api_key else ""), directory)
     output = directory / OUTPUT_FILE
-    todo, total, skipped = _load_todo(config, scan_finished(output))
+    todo, total, skipped = _load_todo(config, conversations, scan_finished(output))
     log.info("%d record(s): %d to generate, %d already done, %d without a user turn", total, len(todo),
              total - len(todo) - skipped, skipped)
-    backend: HFBackend | OpenAIBackend
-    if config.backend == "hf":
-        backend = (HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code,
-                                  config.chat_template)
-                   if todo else None)  # type: ignore[assignment]
-        meta = {"backend": "hf", "model": config.target}
-    else:
-        backend = OpenAIBackend(config.servers, config.api_key or os.environ.get("OPENAI_API_KEY", ""), config.model,
-                                config.concurrency, config.timeout, config.retries, config.backoff)
-        try:
-            meta = {"backend": "openai", "model": backend.resolve_model() if todo else config.model}
-        except BackendError as error:
-            backend.close()
-            raise EaglekitError(f"cannot ask {config.servers[0]} for its model ({error}); start the server, "
-                                "fix servers=, or pass model=NAME") from None
+    backend, meta = _backend(config, todo)  # a target or server that fails leaves no settings or config behind
+    atomic_write_json(directory / SETTINGS_FILE, _settings(config))
+    (directory / "manifest.json").unlink(missing_ok=True)  # written again only when every record is done
+    save_resolved(dataclasses.replace(config, api_key="<redacted>" if config.api_key else ""), directory)
     meta.update(temperature=config.temperature, top_p=config.top_p, max_new_tokens=config.max_new_tokens,
                 seed=config.seed, turns=config.turns)
     progress = Progress(directory, len(todo), meta)
@@ -180,6 +179,22 @@ def _run(config: Config, directory: Path) -> RegenResult:
                     "target's %s-token context after those prompts)", capped, config.max_new_tokens,
                     backend.max_context)
     return _finish(config, directory, total, skipped, progress, seconds, capped)
+
+
+def _backend(config: Config, todo: list[Pending]) -> tuple[Any, dict[str, Any]]:
+    """The generating backend (None for the hf backend when nothing is left to do) and its metadata."""
+    if config.backend == "hf":
+        backend = (HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code,
+                                  config.chat_template) if todo else None)
+        return backend, {"backend": "hf", "model": config.target}
+    backend = OpenAIBackend(config.servers, config.api_key or os.environ.get("OPENAI_API_KEY", ""), config.model,
+                            config.concurrency, config.timeout, config.retries, config.backoff)
+    try:
+        return backend, {"backend": "openai", "model": backend.resolve_model() if todo else config.model}
+    except BackendError as error:
+        backend.close()
+        raise EaglekitError(f"cannot ask {config.servers[0]} for its model ({error}); start the server, "
+                            "fix servers=, or pass model=NAME") from None
 
 
 def _finish(config: Config, directory: Path, total: int, skipped: int, progress: Progress, seconds: float,

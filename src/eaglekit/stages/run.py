@@ -56,6 +56,9 @@ class Config:
     overwrite: bool = option(False, "run into a directory that is not empty and was not written by eaglekit run")
     device: str = option("auto", "device for every stage that loads a model (a section's own device wins)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code in every stage")
+    skip_errors: bool = option(False, "skip malformed records of the data in every stage that reads them (regen, "
+                                      "extract, vocab, train, bench) instead of stopping; a section's own "
+                                      "skip_errors=true skips them in that stage alone")
     stages: tuple[str, ...] = option(PIPELINE,
                                      "stages to run, in pipeline order (leave out regen to train on data as is)")
     training: str = option("offline",
@@ -165,7 +168,8 @@ def stage_config(config: Config, name: str, **wired: Any) -> Any:
     """The section `name` of the run config with the connecting paths (`wired`) filled in.
 
     A wired option set in the section to something else is refused: the run decides where stages read
-    and write. `device` and `trust_remote_code` come from the run unless the section sets its own.
+    and write. `device` comes from the run unless the section sets its own; `trust_remote_code` and `skip_errors`
+    set on the run are set in every section that has them.
     """
     section = getattr(config, name)
     default = type(section)()
@@ -177,8 +181,9 @@ def stage_config(config: Config, name: str, **wired: Any) -> Any:
     fill: dict[str, Any] = {}
     if hasattr(section, "device") and section.device == default.device:
         fill["device"] = config.device
-    if hasattr(section, "trust_remote_code") and config.trust_remote_code:
-        fill["trust_remote_code"] = True
+    for flag in ("trust_remote_code", "skip_errors"):
+        if hasattr(section, flag) and getattr(config, flag):
+            fill[flag] = True
     return dataclasses.replace(section, **{**fill, **wired})
 
 
@@ -409,6 +414,27 @@ def _doctor_step(directory: Path) -> Callable[[Any], Any]:
     return go
 
 
+def check_data(steps: list[Step], out: Path) -> None:
+    """Read the files each step reads from outside the run folder (the data, bench's prompts) as that step will,
+    honouring its skip_errors: a malformed record is one error now, naming the first step it would stop and the fix
+    (`skip_errors=true` on the run skips malformed records in every stage), not a failure after hours of work."""
+    from eaglekit.data import read_conversations
+
+    read: set[tuple[tuple[str, ...], bool]] = set()
+    for step in steps:
+        config = step.make_config()
+        files = (*getattr(config, "data", ()), *((config.prompts,) if getattr(config, "prompts", "") else ()))
+        files = tuple(f for f in files if out.resolve() not in Path(f).resolve().parents)
+        skip = bool(getattr(config, "skip_errors", False))
+        if not files or (files, skip) in read:
+            continue
+        read.add((files, skip))
+        try:
+            read_conversations(list(files), skip_errors=skip)
+        except EaglekitError as error:
+            raise EaglekitError(f"{step.name} would stop at its data, so nothing ran: {error}") from None
+
+
 # ---- the run --------------------------------------------------------------------------------------
 
 def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
@@ -425,6 +451,7 @@ def run(config: Config) -> dict[str, Any]:
 
     steps = plan(config)
     locate_target(config.target)  # a hub id neither served nor cached: one error now, not after training
+    check_data(steps, Path(config.out))  # a malformed record: one error now, for the stage that reads it
     check_steps(steps, config.target, config.trust_remote_code, _bench._check)  # what bench/export would refuse
     out = claim_output(config.out, "run", config.overwrite)
     save_resolved(config, out, name="run.yaml")

@@ -30,6 +30,7 @@ POSITIONAL = ("data",)
 @dataclass(frozen=True)
 class Config:
     data: tuple[str, ...] = option((), "conversation files (JSONL/JSON/HF dataset dirs) to count tokens in")
+    skip_errors: bool = option(False, "skip malformed records of data (counted) instead of stopping")
     shards: str = option("", "an `extract` output directory to count tokens in (instead of data)")
     target: str = option("", "target model (path, hub id or 'tiny'): its tokenizer and vocabulary size")
     output: str = option("", "output directory for vocab.safetensors")
@@ -51,8 +52,9 @@ def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]
     from eaglekit.targets.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
-    tokenized = tokenize_conversations(tokenizer, read_conversations(list(config.data)), config.max_length,
-                                       config.chat_template or None, desc="vocab: tokenising")
+    conversations = read_conversations(list(config.data), skip_errors=config.skip_errors)
+    tokenized = tokenize_conversations(tokenizer, conversations, config.max_length, config.chat_template or None,
+                                       desc="vocab: tokenising")
     return ((record.input_ids, record.loss_mask) for record in tokenized.records)
 
 
@@ -112,8 +114,10 @@ def run(config: Config) -> dict[str, Any]:
     output = claim_output(config.output, "vocab", config.overwrite)
     counts, source = count(config)
     if int(counts.sum()) == 0:
-        raise EaglekitError("no loss-masked (assistant) tokens found in the data; check the chat template / loss mask "
-                            "with `eaglekit inspect`")
+        raise EaglekitError("no loss-masked (assistant) tokens found in the data: prompts alone need answers, from "
+                            "the target with `eaglekit regen PROMPTS output=DIR target=T` (then count "
+                            "DIR/conversations.jsonl); else check the chat template / loss mask with "
+                            "`eaglekit inspect`")
     mapping, how = choose(config, counts)
     path = save_vocab(output / VOCAB_FILE, mapping)
     coverage = mapping.coverage()

@@ -117,12 +117,15 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
                              trust_remote_code=config.trust_remote_code,
                              device_map=config.device_map or None)
         tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
-        records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template)
+        records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template,
+                                       config.skip_errors)
         if not records:
             raise EaglekitError(f"no assistant tokens in DATA: {', '.join(config.data)}: no "
-                                "conversation has an assistant answer to learn from after the chat template; check the "
-                                f"roles with `eaglekit inspect {config.data[0]} target={config.target}` (or "
-                                "pass chat_template=)")
+                                "conversation has an assistant answer to learn from after the chat template; have "
+                                f"the target answer prompts alone with `eaglekit regen {config.data[0]} output=DIR "
+                                f"target={config.target}` (then train on DIR/conversations.jsonl); else check the "
+                                f"roles with `eaglekit inspect {config.data[0]} target={config.target}` (or pass "
+                                "chat_template=)")
         tokens = [(r["input_ids"], r["loss_mask"]) for r in records]
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
