@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -75,3 +76,78 @@ def test_describe_lists_every_option():
     keys = [row[0] for row in describe(Demo)]
     assert keys == ["target", "steps", "compile", "layers", "mode", "optim.lr", "optim.betas"]
     assert any("one of offline, online" in row[3] for row in describe(Demo))
+
+
+@dataclass(frozen=True)
+class Ranged:
+    steps: int = option(10, "training steps (0 = auto)", min=0)
+    lr: float = option(1e-4, "learning rate", above=0)
+    top_p: float = option(1.0, "nucleus cut", above=0, max=1)
+    fraction: float = option(0.1, "held out", min=0, below=1)
+    temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures", min=0)
+    betas: tuple[float, ...] = option((0.9, 0.95), "AdamW betas", min=0, below=1,
+                                      check=(lambda v: len(v) == 2, "two numbers"))
+    limit: int | None = option(None, "optional cap", min=1)
+    optim: Optim = option(Optim(), "optimiser")
+
+
+@dataclass(frozen=True)
+class Outer:
+    section: Ranged = option(Ranged(), "a section with ranges")
+
+
+def test_declared_ranges_refuse_every_bad_option_at_once():
+    assert load_config(Ranged, None, ["steps=0", "top_p=1", "fraction=0", "temperatures=0"]).steps == 0
+    with pytest.raises(EaglekitError) as error:
+        load_config(Ranged, None, ["steps=-3", "lr=0", "top_p=0", "fraction=1", "temperatures=0,-1", "betas=0.9",
+                                   "limit=0"])
+    assert str(error.value) == (
+        "steps must be >= 0 (steps=-3); lr must be > 0 (lr=0.0); top_p must be in (0, 1] (top_p=0.0); fraction must "
+        "be in [0, 1) (fraction=1.0); temperatures must each be >= 0 (temperatures=0.0,-1.0); betas must be two "
+        "numbers, each in [0, 1) (betas=0.9); limit must be >= 1 (limit=0): set each within its range (--help lists "
+        "every option's range)")
+    rows = {key: text for key, _, _, text in describe(Ranged)}
+    assert rows["steps"].endswith("(>= 0)") and rows["top_p"].endswith("(in (0, 1])")
+    assert rows["temperatures"].endswith("(each >= 0)") and rows["betas"].endswith("(two numbers, each in [0, 1))")
+    assert config_hash(load_config(Ranged)) == config_hash(Ranged())  # a rule is no part of the value
+
+
+def test_a_section_is_checked_unless_its_stage_checks_it(monkeypatch):
+    from eaglekit.config import check_options, option_problems
+
+    with pytest.raises(EaglekitError, match=r"^section.steps must be >= 0 \(section.steps=-1\): set it within"):
+        load_config(Outer, None, ["section.steps=-1"])
+    assert [p.key for p in option_problems(Outer(section=Ranged(steps=-1, lr=0.0)))] == ["section.steps", "section.lr"]
+    monkeypatch.setattr(Outer, "CHECK_ON_LOAD", False, raising=False)
+    config = load_config(Outer, None, ["section.steps=-1"])  # left to the stage (`eaglekit run` checks when it plans)
+    with pytest.raises(EaglekitError, match=r"section.steps must be >= 0 \(section.steps=-1\)"):
+        check_options(config)
+
+
+def test_a_default_outside_its_own_range_is_a_programming_error():
+    with pytest.raises(TypeError, match="breaks its own rule"):
+        option(0, "steps", min=1)
+
+
+def test_every_numeric_option_of_every_stage_declares_its_range():
+    """A count, a rate, a fraction, an id: each option of a number (or of numbers) says what it may be, so that
+    `load_config` refuses a bad value before any work."""
+    import typing
+
+    from eaglekit.config import _hints, _strip_optional
+    from eaglekit.stages import STAGES, load_stage
+
+    def undeclared(cls: type, prefix: str = "") -> list[str]:
+        found, hints = [], _hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, _ = _strip_optional(hints[f.name])
+            if dataclasses.is_dataclass(tp):
+                found += undeclared(tp, f"{prefix}{f.name}.")
+                continue
+            items = typing.get_args(tp)[:1] if typing.get_origin(tp) in (tuple, list) else (tp,)
+            if items and items[0] in (int, float) and f.metadata.get("rule") is None:
+                found.append(prefix + f.name)
+        return found
+
+    missing = [f"{name}: {key}" for name in STAGES for key in undeclared(load_stage(name).Config)]
+    assert not missing, missing

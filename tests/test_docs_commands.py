@@ -3,6 +3,11 @@ written: its stage exists, every option parses with the stage's Config, and each
 written by an earlier command of the same page. The cheap ones (inspect and doctor, on the tiny target where the
 page leaves the target to the reader, and --help) run for real.
 
+The fixes an error names must work too: an option a stage's message tells the reader to set (`pass overwrite=true`,
+`or set skip_errors=true`) is an option of that stage (`eaglekit run`'s dotted section keys included), and the fix
+of a malformed data line, met by every stage that reads data, is an option of the command that met it and, added
+to that command, makes it run.
+
 What a page may leave to the reader, and the test does not check as a path: ALL-CAPS words (MODEL, PATH, DIR),
 `<...>`, `...`, `path/to/...`, `$VARIABLES`, and bare file names (`prompts.jsonl`: the reader's own data), except
 names that look like shipped files (`tiny...`), which must name one. Hub ids are taken for `target`-like options.
@@ -89,20 +94,26 @@ def page_commands(page: Path) -> list[Command]:
             for c in to_commands(f"{page.relative_to(ROOT)}:{line}", command, whole)]
 
 
+def literals(path: Path) -> list[tuple[str, str]]:
+    """(file:line, text) of every string literal of a source file (f-string fields read as <value>)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "<value>" for v in node.values)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        else:
+            continue
+        found.append((f"{path.relative_to(ROOT)}:{node.lineno}", text))
+    return found
+
+
 def message_commands() -> list[Command]:
     """Backticked `eaglekit ...` in eaglekit's string literals (f-string fields read as <value>), and the example
     lines of every stage's docstring (`eaglekit <stage> --help` prints them)."""
     commands = []
     for path in sorted(SOURCE.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.JoinedStr):
-                text = "".join(v.value if isinstance(v, ast.Constant) else "<value>" for v in node.values)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                text = node.value
-            else:
-                continue
-            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+        for where, text in literals(path):
             commands += [c for span in INLINE.findall(text) for c in to_commands(where, span)]
     for name in STAGES:
         doc = load_stage(name).__doc__ or ""
@@ -303,3 +314,94 @@ def test_cheap_commands_run_as_written(command, monkeypatch, capsys):
             pytest.skip(f"{command.where} reads {engine}'s source: {error}")
     code = main(argv)
     assert code == 0, f"{command.where}: `eaglekit {' '.join(argv)}` exited {code}: {capsys.readouterr().err}"
+
+
+# ---- the fixes eaglekit's errors name ---------------------------------------------------------------
+
+# `pass overwrite=true`, `or set skip_errors=true`, `use backend=eager`, `pass --overwrite`: (dashes, key, =value)
+ADVICE = re.compile(r"\b(?:(?:pass|set|use|add|or)\s+)+(--)?([a-z_][a-z0-9_.]*)(?:(=)([^\s;,)]*))?")
+COMMAND_LINE_FLAGS = ("config",)  # `--config recipe.yaml`: the command line's, no option
+
+
+def advised(message: str) -> list[tuple[str, str]]:
+    """(key, value) of each option the message tells the reader to set (value '' where it leaves it to them)."""
+    return [(key, value.rstrip(".:") or ("true" if dashes else "")) for dashes, key, equals, value
+            in ADVICE.findall(message) if (dashes or equals) and key not in COMMAND_LINE_FLAGS]
+
+
+def stage_keys(name: str) -> set[str]:
+    return {key for key, *_ in describe(load_stage(name).Config)}
+
+
+def test_advice_is_read_from_messages():
+    assert advised("x:7: not valid JSON; fix or remove this record, or set skip_errors=true to skip bad records") == [
+        ("skip_errors", "true")]
+    assert advised("choose a new output directory, or pass overwrite=true to write into it anyway") == [
+        ("overwrite", "true")]
+    assert advised("pass --overwrite or choose a new output directory; use backend=eager)") == [
+        ("overwrite", "true"), ("backend", "eager")]
+    assert advised("pass output= a directory path") == [("output", "")]
+    assert advised("the drafter is 5 layers; set it within its range") == []
+
+
+def test_the_options_a_stages_messages_advise_are_its_own():
+    """A message of stage module S that says `pass KEY=...` names an option of `eaglekit S` (`run`: a dotted
+    section key, `train.lr=...`, is the run's too)."""
+    problems = []
+    for name in STAGES:
+        keys = stage_keys(name)
+        for where, text in literals(Path(load_stage(name).__file__)):
+            problems += [f"{where}: `{key}` is no option of eaglekit {name}: {text[:80]!r}"
+                         for key, _ in advised(text) if key not in keys]
+    assert not problems, "\n".join(problems)
+
+
+MALFORMED = '{"messages": [broken\n'
+RUN_BUDGET = ["stages=regen,extract,vocab,train,bench", "device=cpu", "regen.max_new_tokens=4",
+              "extract.max_length=64", "extract.dtype=fp32", "extract.shard_mb=1", "vocab.size=64", "train.max_steps=1",
+              "train.batch_size=2", "train.ttt_steps=1", "train.max_length=64", "train.val_fraction=0",
+              "bench.methods=plain", "bench.temperatures=0", "bench.num_prompts=1", "bench.max_new_tokens=2",
+              "bench.repeats=1", "bench.warmup=0"]
+READERS = {  # every stage that reads conversation files, on the built-in tiny target, with tiny budgets
+    "inspect": ["inspect", "{data}", "target=tiny", "limit=2", "show_text=false"],
+    "regen": ["regen", "{data}", "target=tiny", "output={out}", "max_new_tokens=2", "device=cpu"],
+    "extract": ["extract", "{data}", "target=tiny", "output={out}", "max_length=64", "dtype=fp32", "shard_mb=1",
+                "device=cpu"],
+    "vocab": ["vocab", "{data}", "target=tiny", "output={out}", "size=64"],
+    "train": ["train", "target=tiny", "data={data}", "output={out}", "max_steps=1", "batch_size=2", "ttt_steps=1",
+              "draft_vocab_size=64", "max_length=64", "val_fraction=0", "device=cpu"],
+    "bench": ["bench", "{data}", "target=tiny", "output={out}", "methods=plain", "temperatures=0", "num_prompts=1",
+              "max_new_tokens=2", "repeats=1", "warmup=0", "device=cpu"],
+    "run": ["run", "--target", "tiny", "--data", "{data}", "--out", "{out}", *RUN_BUDGET],
+    "run regen.skip_errors": ["run", "--target", "tiny", "--data", "{data}", "--out", "{out}", *RUN_BUDGET,
+                              "regen.skip_errors=true"],  # regen skips the line; bench, reading it too, would not
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_the_fix_a_malformed_data_line_names_works(reader, tmp_path, monkeypatch, capsys):
+    """A malformed line met by any stage that reads data: one error, whose fix is an option of that command, and the
+    command with that fix added runs (the line skipped)."""
+    from eaglekit.data.readers import SHIPPED_DATA
+
+    lines = SHIPPED_DATA["tiny"].read_text().splitlines(keepends=True)[:12]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(lines[:6]) + MALFORMED + "".join(lines[6:]))
+    monkeypatch.chdir(tmp_path)
+    argv = [word.format(data=data, out=tmp_path / "out") for word in READERS[reader]]
+    keys, errors = stage_keys(argv[0]), []
+    for _ in range(3):
+        if main(argv) == 0:
+            break
+        lines = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+        assert len(lines) == 1 and "prompts.jsonl:7" in lines[0], lines
+        errors.append(lines[0])
+        fixes = advised(lines[0])
+        assert fixes, f"`eaglekit {' '.join(argv)}` names no fix: {lines[0]}"
+        for key, value in fixes:
+            assert key in keys, f"{lines[0]}\n`{key}` is no option of eaglekit {argv[0]}"
+            assert value and not placeholder(value), f"{lines[0]}\n`{key}=` leaves the value to the reader"
+        argv += [f"{key}={value}" for key, value in fixes]
+    else:
+        pytest.fail(f"the fixes named did not make `eaglekit {' '.join(argv)}` run: {errors}")
+    assert errors, f"`eaglekit {' '.join(argv)}` did not stop at the malformed line"

@@ -54,7 +54,7 @@ def check_bench(config: Any, target_config: Any, methods: list[str]) -> None:
     `eaglekit.stages.bench.Config`; `methods`: those it measures, after its own option check)."""
     from eaglekit.data import read_conversations
 
-    if not read_conversations(config.prompts):
+    if not read_conversations(config.prompts, skip_errors=config.skip_errors):
         raise EaglekitError(f"{config.prompts} holds no conversations: pass bench.prompts= a conversation file")
     check_decoding(target_config, methods, config.backend, config.target)
     if config.engine == "vllm":

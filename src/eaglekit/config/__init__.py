@@ -1,9 +1,11 @@
 """Stage configuration: frozen dataclasses filled from a YAML file plus `key=value` overrides.
 
-Every stage declares one frozen dataclass whose fields use `option(default, help)`. Nested
-dataclasses are addressed with dotted keys (`optim.lr=1e-4`). Unknown keys are rejected with the
-closest valid name; values are coerced to the declared type. The fully resolved config is written
-next to every output a stage produces (`save_resolved`).
+Every stage declares one frozen dataclass whose fields use `option(default, help)`, with the range each
+value must lie in beside it (`option(4, "sequences per micro-batch", min=1)`). Nested dataclasses are
+addressed with dotted keys (`optim.lr=1e-4`). Unknown keys are rejected with the closest valid name; values
+are coerced to the declared type, then every option outside its range is refused in one error before any
+work (`load_config`, `check_options`). The fully resolved config is written next to every output a stage
+produces (`save_resolved`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import dataclasses
 import difflib
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import yaml
 
@@ -22,9 +25,70 @@ from eaglekit.errors import EaglekitError
 C = TypeVar("C")
 
 
-def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with its default and a one-line meaning shown by `eaglekit <stage> --help`."""
-    metadata = {"help": help, "choices": choices}
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What an option's value must be: bounds (`min`/`max` inclusive, `above`/`below` exclusive; for a sequence,
+    of each item) and/or a test of the whole value with its description (`check=(test, "two numbers")`)."""
+
+    min: float | None = None
+    max: float | None = None
+    above: float | None = None
+    below: float | None = None
+    test: Callable[[Any], bool] | None = None
+    text: str = ""
+
+    def bounds(self) -> str:
+        """`>= 1`, `> 0`, `in [0, 1)`, `in (0, 1]`, ... ('' without bounds)."""
+        low = (f"[{_number(self.min)}" if self.min is not None else
+               f"({_number(self.above)}" if self.above is not None else None)
+        high = (f"{_number(self.max)}]" if self.max is not None else
+                f"{_number(self.below)})" if self.below is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return (">= " if low[0] == "[" else "> ") + low[1:]
+        if high:
+            return ("<= " if high[-1] == "]" else "< ") + high[:-1]
+        return ""
+
+    def describe(self, sequence: bool) -> str:
+        """The rule in words: `>= 1`, `each >= 0`, `two numbers, each in [0, 1)`."""
+        bounds = self.bounds()
+        if bounds and sequence:
+            bounds = f"each {bounds}"
+        return ", ".join(part for part in (self.text, bounds) if part)
+
+    def _within(self, value: float) -> bool:
+        return ((self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+                and (self.above is None or value > self.above) and (self.below is None or value < self.below))
+
+    def holds(self, value: Any) -> bool:
+        if value is None:
+            return True  # an optional option left unset
+        if self.test is not None and not self.test(value):
+            return False
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        return all(self._within(item) for item in items if isinstance(item, (int, float)))
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
+           max: float | None = None, above: float | None = None, below: float | None = None,
+           check: tuple[Callable[[Any], bool], str] | None = None) -> Any:
+    """A config field with its default and a one-line meaning shown by `eaglekit <stage> --help`, and the rule its
+    value must follow: `choices`, bounds (`min=1`: >= 1; `above=0`: > 0; `max`, `below`; a sequence's items each),
+    `check=(test, "what it must be")`. `load_config` refuses every option outside its rule in one error. (`min` and
+    `max` name the bounds as a reader says them; the builtins are not needed here.)"""
+    rule = None
+    if (min, max, above, below, check) != (None,) * 5:
+        test, text = check if check is not None else (None, "")
+        rule = Rule(min, max, above, below, test, text)
+        if not rule.holds(default):
+            raise TypeError(f"the default {default!r} breaks its own rule ({rule.describe(False)})")
+    metadata = {"help": help, "choices": choices, "rule": rule}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple (immutable) default for sequence options")
     if dataclasses.is_dataclass(default):
@@ -194,7 +258,9 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | dict[str, Any] = ()) -> C:
-    """Build `cls` from an optional YAML file, then `key=value` overrides (which win)."""
+    """Build `cls` from an optional YAML file, then `key=value` overrides (which win); refuse every option outside
+    its declared rule in one error. A class with `CHECK_ON_LOAD = False` leaves that to its stage (`eaglekit run`
+    checks its own and every section's options when it plans, naming the stage that would refuse each)."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -208,7 +274,56 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
             raise EaglekitError(f"config file {path} must hold a mapping of keys to values")
         values = loaded
     extra = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides))
-    return _build(cls, _merge(values, extra), "")
+    config = _build(cls, _merge(values, extra), "")
+    if getattr(cls, "CHECK_ON_LOAD", True):
+        check_options(config)
+    return config
+
+
+class Problem(NamedTuple):
+    """An option outside its rule: its dotted key and `KEY must be RULE (KEY=VALUE)`."""
+
+    key: str
+    text: str
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value) or "(empty)"
+    return str(value)
+
+
+def option_problems(config: Any, prefix: str = "") -> list[Problem]:
+    """Every option of `config` and of its sections (keys dotted) whose value breaks its declared rule."""
+    problems: list[Problem] = []
+    hints = _hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += option_problems(value, f"{prefix}{f.name}.")
+            continue
+        rule = f.metadata.get("rule")
+        if rule is not None and not rule.holds(value):
+            tp, _ = _strip_optional(hints[f.name])
+            sequence = typing.get_origin(tp) in (tuple, list)
+            key = prefix + f.name
+            must = rule.describe(sequence)
+            must = f"must each be {must[5:]}" if must.startswith("each ") else f"must be {must}"
+            problems.append(Problem(key, f"{key} {must} ({key}={_shown(value)})"))
+    return problems
+
+
+def out_of_range(problems: list[Problem]) -> str:
+    """One message for the options outside their rules, naming the fix."""
+    them = "it" if len(problems) == 1 else "each"
+    return f"{'; '.join(p.text for p in problems)}: set {them} within its range (--help lists every option's range)"
+
+
+def check_options(config: Any) -> None:
+    """Refuse, in one `EaglekitError`, every option of `config` (and of its sections) outside its declared rule."""
+    problems = option_problems(config)
+    if problems:
+        raise EaglekitError(out_of_range(problems))
 
 
 def to_dict(config: Any) -> dict[str, Any]:
@@ -259,5 +374,7 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         help_text = f.metadata.get("help", "")
         if f.metadata.get("choices"):
             help_text += f" (one of {', '.join(f.metadata['choices'])})"
+        if f.metadata.get("rule") is not None:
+            help_text += f" ({f.metadata['rule'].describe(typing.get_origin(tp) in (tuple, list))})"
         rows.append((prefix + f.name, type_name, getattr(defaults, f.name), help_text))
     return rows

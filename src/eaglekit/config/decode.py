@@ -40,6 +40,9 @@ class DecodeOptions:
         if not 0.0 <= self.verify_threshold <= 1.0:
             raise EaglekitError(f"verify_threshold={self.verify_threshold}: a survival probability, in [0, 1] "
                                 "(0 = verify every draft)")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise EaglekitError(f"temperature must be >= 0 (0 = greedy), top_k >= 0 (0 = off) and top_p in (0, 1], "
+                                f"not {self.temperature}, {self.top_k} and {self.top_p}")
 
     @property
     def draft_depth(self) -> int:

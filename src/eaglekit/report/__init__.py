@@ -87,7 +87,7 @@ def _online_data_stats(out: Path, train: dict[str, Any]) -> dict[str, Any] | Non
 
         tokenizer = load_tokenizer(config["target"], trust_remote_code=bool(config.get("trust_remote_code")))
         records = conversation_records(tuple(config["data"]), tokenizer, int(config["max_length"]),
-                                       config.get("chat_template") or "")
+                                       config.get("chat_template") or "", bool(config.get("skip_errors")))
     except (EaglekitError, OSError, KeyError, ValueError) as error:
         log.warning("could not count the online training data's tokens: %s", error)
         return None

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eaglekit import registry
-from eaglekit.config import option, save_resolved, to_dict
+from eaglekit.config import check_options, option, save_resolved, to_dict
 from eaglekit.config.decode import CHAIN_METHODS, DecodeOptions
 from eaglekit.errors import EaglekitError
 
@@ -49,28 +49,30 @@ class Config:
     target: str = option("", "target model directory, hub id or 'tiny'")
     drafter: str = option("", "eaglekit drafter directory (for chain and tree)")
     prompts: str = option("", "prompt file: JSONL/JSON conversations (OpenAI messages, ShareGPT, prompt/completion)")
+    skip_errors: bool = option(False, "skip malformed records of the prompt file (counted) instead of stopping")
     output: str = option("runs/bench", "directory for bench.json, bench.md, bench.png")
     overwrite: bool = option(False, "write into an output directory that is not empty and was not written by bench")
     methods: tuple[str, ...] = option(DEFAULT_METHODS, "methods to measure (subset of: " + ", ".join(ALL_METHODS) +
                                       "; each drafting method needs a drafter of a type that drafts with it: " +
                                       ", ".join(f"{m} {'/'.join(registry.types_drafting(m))}" for m in DRAFTER_METHODS)
                                       + ")")
-    temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures to measure at")
-    num_prompts: int = option(0, "use the first N prompts (0 = all)")
-    max_new_tokens: int = option(128, "tokens generated per prompt")
-    repeats: int = option(3, "timed runs per prompt (median kept)")
+    temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures to measure at", min=0)
+    num_prompts: int = option(0, "use the first N prompts (0 = all)", min=0)
+    max_new_tokens: int = option(128, "tokens generated per prompt", min=1)
+    repeats: int = option(3, "timed runs per prompt (median kept)", min=1)
     warmup: int = option(1, "HF methods: prompts run once untimed before timing; eaglekit's methods warm up on "
-                            "all (0 = no warm-up)")
+                            "all (0 = no warm-up)", min=0)
     assistant: str = option("", "small draft model (same tokenizer) for HF assisted generation")
-    prompt_lookup_num_tokens: int = option(10, "HF prompt lookup: tokens proposed per step")
-    depth: int = option(DecodeOptions.depth, "tree: draft levels")
-    tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level")
-    total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward")
-    chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash: draft tokens per target forward")
+    prompt_lookup_num_tokens: int = option(10, "HF prompt lookup: tokens proposed per step", min=1)
+    depth: int = option(DecodeOptions.depth, "tree: draft levels", min=1)
+    tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level", min=1)
+    total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward", min=1)
+    chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash: draft tokens per target forward",
+                               min=1)
     backend: str = option("auto", "eaglekit backend: auto, eager or static", choices=("auto", "eager", "static"))
     compile: bool = option(True, "torch.compile + CUDA graphs for eaglekit's fixed-shape static-backend steps (GPU "
                                  "only; ignored on CPU)")
-    seed: int = option(0, "sampling seed")
+    seed: int = option(0, "sampling seed", min=0)
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code")
@@ -79,11 +81,13 @@ class Config:
     vllm_python: str = option("", "engine=vllm: a Python with vLLM (default: this one if it imports vllm, else "
                                   ".venv-vllm/bin/python)")
     concurrency: tuple[int, ...] = option((1, 4, 16),
-                                          "engine=vllm: requests in flight for the served sweep (empty: offline only)")
+                                          "engine=vllm: requests in flight for the served sweep (empty: offline only)",
+                                          min=1)
     vllm_samples: int = option(400, "engine=vllm, T > 0: samples of the prompts with and without the drafter whose "
-                                    "first tokens are compared (is vLLM's speculative sampling lossless?)")
+                                    "first tokens are compared (is vLLM's speculative sampling lossless?)", min=1)
     vllm_version_check: bool = option(True, "engine=vllm: refuse a vLLM other than the tested 0.32.0")
-    vllm_startup_timeout: float = option(600.0, "engine=vllm: seconds to wait for `vllm serve` to answer /health")
+    vllm_startup_timeout: float = option(600.0, "engine=vllm: seconds to wait for `vllm serve` to answer /health",
+                                         above=0)
 
 
 def _sync(device) -> None:
@@ -222,6 +226,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def _check(config: Config) -> list[str]:
+    check_options(config)  # each option within its declared range (the CLI's load_config checked them already)
     if not config.target or not config.prompts:
         raise EaglekitError("bench needs target=... and a prompt file: eaglekit bench PROMPTS.jsonl "
                             "target=PATH drafter=DIR")
@@ -236,13 +241,6 @@ def _check(config: Config) -> list[str]:
         raise EaglekitError("engine=vllm serves the target with the drafter: pass drafter=DIR")
     if not methods and config.engine != "vllm":
         raise EaglekitError("no methods to measure: pass methods=plain,chain,... (an empty list only with engine=vllm)")
-    if any(level < 1 for level in config.concurrency):
-        raise EaglekitError(f"concurrency={config.concurrency}: each level must be >= 1 request in flight")
-    if config.repeats < 1:
-        raise EaglekitError("repeats must be >= 1")
-    if config.engine == "vllm" and any(t > 0 for t in config.temperatures) and config.vllm_samples < 1:
-        raise EaglekitError("vllm_samples must be >= 1 to check vLLM's sampling at T > 0 (or leave out "
-                            "temperatures above 0)")
     return methods
 
 
@@ -318,7 +316,7 @@ def run(config: Config) -> dict[str, Any]:
         from eaglekit.targets.loading import local_model_dir
 
         check_served(engine, local_model_dir(config.target))
-    conversations = read_conversations(config.prompts)
+    conversations = read_conversations(config.prompts, skip_errors=config.skip_errors)
     if config.num_prompts:
         conversations = conversations[: config.num_prompts]
     if not conversations:

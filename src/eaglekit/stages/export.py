@@ -36,7 +36,7 @@ class Config:
     output: str = option("", "output directory (default: <drafter>-<to>)")
     dtype: str = option("keep", "weight dtype of the written checkpoint", choices=DTYPES)
     include_embedding: bool = option(True, "write embed_tokens.weight (off: the engine shares the target's embedding)")
-    speculative_tokens: int = option(3, "speculators only: speculative_tokens of the greedy proposal method")
+    speculative_tokens: int = option(3, "speculators only: speculative_tokens of the greedy proposal method", min=1)
     overwrite: bool = option(False, "write into an output directory that is not empty and was not written by export, "
                                     "or that holds another export (another format, drafter or options)")
 

@@ -38,10 +38,12 @@ class Config:
                                    "conversation files or directories (OpenAI messages, ShareGPT, prompt/completion)")
     output: str = option("", "output directory (shards, shard logs, manifest.json, config.yaml)")
     target: str = option("", "target model directory, hub id or 'tiny'")
-    max_length: int = option(2048, "tokens per record; longer records are truncated (and counted)")
+    max_length: int = option(2048, "tokens per record; longer records are truncated (and counted); 0 = no limit",
+                             min=0)
     aux_layer_ids: tuple[int, ...] = option((), "layer ids to capture: 3 for EAGLE-3 (empty = 2, L//2, L-3; "
                                             "distinct ones on targets under 7 layers), a DFlash drafter's "
-                                            "target_layer_ids + 1 (input-of-layer)")
+                                            "target_layer_ids + 1 (input-of-layer; -1 with output_of_layer = "
+                                            "the embedding output)", min=-1)
     aux_layer_convention: str = option(INPUT_OF_LAYER, "meaning of aux_layer_ids", choices=CONVENTIONS)
     # the choices spell out eaglekit.targets.store.STORAGE_DTYPES, which needs torch (tests/test_cli.py checks)
     dtype: str = option("bf16", "storage dtype; float8_e4m3fn halves the bytes (per-row scales)",
@@ -49,18 +51,19 @@ class Config:
     model_dtype: str = option("auto", "dtype the target runs in (auto = bf16 on GPU, fp32 on CPU)")
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1); under torchrun each rank uses cuda:LOCAL_RANK")
     device_map: str = option("", "'auto' spreads one large target over all visible GPUs (not with torchrun)")
-    batch_tokens: int = option(16384, "padded tokens per forward (batch size x longest record)")
-    max_batch_size: int = option(64, "most records per forward")
-    shard_mb: float = option(256.0, "approximate size of one shard file and host buffer in MiB (at least one batch)")
+    batch_tokens: int = option(16384, "padded tokens per forward (batch size x longest record)", min=1)
+    max_batch_size: int = option(64, "most records per forward", min=1)
+    shard_mb: float = option(256.0, "approximate size of one shard file and host buffer in MiB (at least one batch)",
+                             above=0)
     buffers: int = option(0, "pinned host shard buffers in the writer ring (0 = auto: writer_threads + 2); "
-                             "host memory = buffers x shard_mb")
+                             "host memory = buffers x shard_mb", min=0)
     writer_threads: int = option(0, "threads hashing and writing shards in parallel (0 = auto: half the CPU cores "
-                                    "per process, 2..8)")
+                                    "per process, 2..8)", min=0)
     fsync: bool = option(True, "fsync each shard before logging it (off: faster on slow disks; a power loss may "
                                "cost the last shards)")
     chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
     decoder_path: str = option("", "dotted path of the decoder layer list, when the search picks the wrong one")
-    limit: int = option(0, "extract only the first N records (0 = all)")
+    limit: int = option(0, "extract only the first N records (0 = all)", min=0)
     skip_errors: bool = option(False, "skip malformed input records instead of stopping")
     overwrite: bool = option(False, "delete an existing store in output (else resume it); also allows an output "
                                     "directory that another stage wrote")
@@ -70,10 +73,11 @@ class Config:
     regenerate: bool = option(False, "backend=vllm: answer each record's prompt (its messages before the last "
                                      "assistant turn) with the target and store prompt + answer; writes "
                                      "regenerated.jsonl beside the store")
-    max_new_tokens: int = option(1024, "regenerate: most tokens per answer")
-    temperature: float = option(0.0, "regenerate: sampling temperature (0 = greedy)")
-    seed: int = option(0, "regenerate: sampling seed (each record's own is derived from it and the record id)")
-    tensor_parallel_size: int = option(1, "backend=vllm: GPUs (CPU: core groups) the engine shards the target over")
+    max_new_tokens: int = option(1024, "regenerate: most tokens per answer", min=1)
+    temperature: float = option(0.0, "regenerate: sampling temperature (0 = greedy)", min=0)
+    seed: int = option(0, "regenerate: sampling seed (each record's own is derived from it and the record id)", min=0)
+    tensor_parallel_size: int = option(1, "backend=vllm: GPUs (CPU: core groups) the engine shards the target over",
+                                       min=1)
     vllm_python: str = option("", "backend=vllm: a Python with vLLM (default: this one if it imports vllm, else "
                                   ".venv-vllm)")
     vllm_version_check: bool = option(True, "backend=vllm: refuse a vLLM other than the tested version")

@@ -32,7 +32,7 @@ class Config:
     output: str = option("", "output directory for the eaglekit drafter (default: <source>-eaglekit)")
     from_format: str = option("auto", "layout/engine that wrote the checkpoint", choices=IMPORT_FORMATS)
     target: str = option("", "target model (dir, config.json or hub id): its layer count gives default aux layers")
-    aux_layer_ids: tuple[int, ...] = option((), "override the aux layer ids (input-of-layer convention)")
+    aux_layer_ids: tuple[int, ...] = option((), "override the aux layer ids (input-of-layer convention)", min=0)
     trust_remote_code: bool = option(False, "allow the target's own config code when reading `target`")
     overwrite: bool = option(False, "write into an output directory that is not empty and was not written by import")
 

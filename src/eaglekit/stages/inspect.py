@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from eaglekit.config import option, save_resolved
+from eaglekit.config import check_options, option, save_resolved
 from eaglekit.errors import EaglekitError
 
 POSITIONAL = ("data",)
@@ -31,8 +31,8 @@ class Config:
                                        "directories (comma-separated)")
     target: str = option("tiny", "target model directory or hub id whose tokenizer and chat template are "
                                  "used ('tiny' = built-in)")
-    max_length: int = option(2048, "tokens kept per conversation; longer ones are truncated (0 = no limit)")
-    limit: int = option(20, "conversations to inspect, from the start of the data (0 = all)")
+    max_length: int = option(2048, "tokens kept per conversation; longer ones are truncated (0 = no limit)", min=0)
+    limit: int = option(20, "conversations to inspect, from the start of the data (0 = all)", min=0)
     show_text: bool = option(True, "print each conversation's text with the learned tokens marked ⟦...⟧")
     chat_template: str = option("", "a Jinja chat template (file path or string) used instead of the tokenizer's own")
     skip_errors: bool = option(False, "skip malformed records (counted) instead of stopping at the first")
@@ -89,8 +89,7 @@ def run(config: Config) -> dict[str, Any]:
 
     if not config.data:
         raise EaglekitError("no data given: eaglekit inspect FILE.jsonl --target DIR")
-    if config.max_length < 0 or config.limit < 0:
-        raise EaglekitError("max_length and limit must be >= 0 (0 = no limit)")
+    check_options(config)  # each option within its declared range (the CLI's load_config checked them already)
     if config.output:
         from eaglekit.manifest import check_output_file
 

@@ -24,9 +24,9 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eaglekit.config import option, save_resolved
+from eaglekit.config import check_options, option, save_resolved
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import atomic_write_json, file_sha256, write_manifest
 from eaglekit.generation.backends import BackendError, HFBackend, OpenAIBackend, SamplingParams
@@ -41,6 +41,9 @@ from eaglekit.generation.regen import (
     regen_openai,
     scan_finished,
 )
+
+if TYPE_CHECKING:
+    from eaglekit.data import Conversation
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +64,16 @@ class Config:
     model: str = option("", "openai backend: model name to request (default: the first one /v1/models lists)")
     api_key: str = option("", "openai backend: API key (default: $OPENAI_API_KEY); never written to disk")
     turns: str = option("all", "answer every user turn, or only the first", choices=("all", "first"))
-    temperature: float = option(0.0, "sampling temperature (0 = greedy)")
-    top_p: float = option(1.0, "nucleus sampling cut (1 = off)")
-    max_new_tokens: int = option(1024, "most tokens per generated answer")
-    seed: int = option(0, "sampling seed; each record's seed is derived from it and the record id")
-    batch_size: int = option(8, "hf backend: conversations generated together")
-    concurrency: int = option(16, "openai backend: requests in flight at once")
-    timeout: float = option(600.0, "openai backend: seconds before one request is abandoned (and retried)")
-    retries: int = option(3, "openai backend: retries per request on connection errors, 5xx and garbage answers")
-    backoff: float = option(1.0, "openai backend: seconds before the first retry, doubled for each next one")
-    limit: int = option(0, "regenerate only the first N records of the data (0 = all)")
+    temperature: float = option(0.0, "sampling temperature (0 = greedy)", min=0)
+    top_p: float = option(1.0, "nucleus sampling cut (1 = off)", above=0, max=1)
+    max_new_tokens: int = option(1024, "most tokens per generated answer", min=1)
+    seed: int = option(0, "sampling seed; each record's seed is derived from it and the record id", min=0)
+    batch_size: int = option(8, "hf backend: conversations generated together", min=1)
+    concurrency: int = option(16, "openai backend: requests in flight at once", min=1)
+    timeout: float = option(600.0, "openai backend: seconds before one request is abandoned (and retried)", above=0)
+    retries: int = option(3, "openai backend: retries per request on connection errors, 5xx and garbage answers", min=0)
+    backoff: float = option(1.0, "openai backend: seconds before the first retry, doubled for each next one", min=0)
+    limit: int = option(0, "regenerate only the first N records of the data (0 = all)", min=0)
     skip_errors: bool = option(False, "skip malformed input records instead of stopping")
     device: str = option("auto", "hf backend: device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "hf backend: dtype (auto = bf16 on GPU, fp32 on CPU)")
@@ -85,9 +88,14 @@ class RegenResult:
     stats: dict[str, Any]
 
 
+def _settings(config: Config) -> dict[str, Any]:
+    return {key: getattr(config, key) for key in SETTINGS_KEYS}
+
+
 def _check_settings(config: Config, directory: Path) -> None:
-    """A resumed run must generate the same way as the run that wrote the existing records."""
-    settings = {key: getattr(config, key) for key in SETTINGS_KEYS}
+    """A resumed run must generate the same way as the run that wrote the existing records (written once the backend
+    is up)."""
+    settings = _settings(config)
     path = directory / SETTINGS_FILE
     if path.is_file() and (directory / OUTPUT_FILE).is_file() and (directory / OUTPUT_FILE).stat().st_size > 0:
         old = {"chat_template": "", **json.loads(path.read_text())}  # written before chat_template was a setting
@@ -95,15 +103,18 @@ def _check_settings(config: Config, directory: Path) -> None:
         if changed:
             raise EaglekitError(f"{directory} holds records generated with other settings ({'; '.join(changed)}); "
                                 "use another output= directory, or restore those settings to resume")
-    atomic_write_json(path, settings)
 
 
-def _load_todo(config: Config, finished: set[str]) -> tuple[list[Pending], int, int]:
+def _read(config: Config) -> list[Conversation]:
+    """The prompt records (the first `limit`), read before anything is written: bad input leaves no output."""
     from eaglekit.data import read_conversations
 
     conversations = read_conversations(list(config.data), skip_errors=config.skip_errors)
-    if config.limit > 0:
-        conversations = conversations[: config.limit]
+    return conversations[: config.limit] if config.limit > 0 else conversations
+
+
+def _load_todo(config: Config, conversations: list[Conversation],
+               finished: set[str]) -> tuple[list[Pending], int, int]:
     todo, skipped = [], 0
     for conversation in conversations:
         if conversation.id in finished:
@@ -119,6 +130,7 @@ def _load_todo(config: Config, finished: set[str]) -> tuple[list[Pending], int, 
 
 
 def _validate(config: Config) -> None:
+    check_options(config)  # each option within its declared range (the CLI's load_config checked them already)
     if not config.data:
         raise EaglekitError("no prompts given: eaglekit regen FILE.jsonl output=DIR ...")
     if not config.output:
@@ -128,44 +140,28 @@ def _validate(config: Config) -> None:
                             "backend=openai servers=URL")
     if config.backend == "openai" and not config.servers:
         raise EaglekitError("backend=openai needs servers=URL[,URL...], e.g. servers=http://127.0.0.1:8000")
-    if config.max_new_tokens < 1 or config.batch_size < 1 or config.concurrency < 1:
-        raise EaglekitError("max_new_tokens, batch_size and concurrency must be >= 1")
-    if config.temperature < 0 or not 0 < config.top_p <= 1:
-        raise EaglekitError("temperature must be >= 0 and top_p in (0, 1]")
 
 
 def run(config: Config) -> RegenResult:
     from eaglekit.manifest import claim_output, write_errors
 
     _validate(config)
+    conversations = _read(config)  # a malformed record stops the run here, before the output is made
     directory = claim_output(config.output, "regen", config.overwrite)
     with write_errors(directory, "regenerated records"):
-        return _run(config, directory)
+        return _run(config, directory, conversations)
 
 
-def _run(config: Config, directory: Path) -> RegenResult:
+def _run(config: Config, directory: Path, conversations: list[Conversation]) -> RegenResult:
     _check_settings(config, directory)
-    (directory / "manifest.json").unlink(missing_ok=True)  # written again only when every record is done
-    save_resolved(dataclasses.replace(config, api_key="<redacted>" if config.api_key else ""), directory)
     output = directory / OUTPUT_FILE
-    todo, total, skipped = _load_todo(config, scan_finished(output))
+    todo, total, skipped = _load_todo(config, conversations, scan_finished(output))
     log.info("%d record(s): %d to generate, %d already done, %d without a user turn", total, len(todo),
              total - len(todo) - skipped, skipped)
-    backend: HFBackend | OpenAIBackend
-    if config.backend == "hf":
-        backend = (HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code,
-                                  config.chat_template)
-                   if todo else None)  # type: ignore[assignment]
-        meta = {"backend": "hf", "model": config.target}
-    else:
-        backend = OpenAIBackend(config.servers, config.api_key or os.environ.get("OPENAI_API_KEY", ""), config.model,
-                                config.concurrency, config.timeout, config.retries, config.backoff)
-        try:
-            meta = {"backend": "openai", "model": backend.resolve_model() if todo else config.model}
-        except BackendError as error:
-            backend.close()
-            raise EaglekitError(f"cannot ask {config.servers[0]} for its model ({error}); start the server, "
-                                "fix servers=, or pass model=NAME") from None
+    backend, meta = _backend(config, todo)  # a target or server that fails leaves no settings or config behind
+    atomic_write_json(directory / SETTINGS_FILE, _settings(config))
+    (directory / "manifest.json").unlink(missing_ok=True)  # written again only when every record is done
+    save_resolved(dataclasses.replace(config, api_key="<redacted>" if config.api_key else ""), directory)
     meta.update(temperature=config.temperature, top_p=config.top_p, max_new_tokens=config.max_new_tokens,
                 seed=config.seed, turns=config.turns)
     progress = Progress(directory, len(todo), meta)
@@ -183,6 +179,22 @@ def _run(config: Config, directory: Path) -> RegenResult:
                     "target's %s-token context after those prompts)", capped, config.max_new_tokens,
                     backend.max_context)
     return _finish(config, directory, total, skipped, progress, seconds, capped)
+
+
+def _backend(config: Config, todo: list[Pending]) -> tuple[Any, dict[str, Any]]:
+    """The generating backend (None for the hf backend when nothing is left to do) and its metadata."""
+    if config.backend == "hf":
+        backend = (HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code,
+                                  config.chat_template) if todo else None)
+        return backend, {"backend": "hf", "model": config.target}
+    backend = OpenAIBackend(config.servers, config.api_key or os.environ.get("OPENAI_API_KEY", ""), config.model,
+                            config.concurrency, config.timeout, config.retries, config.backoff)
+    try:
+        return backend, {"backend": "openai", "model": backend.resolve_model() if todo else config.model}
+    except BackendError as error:
+        backend.close()
+        raise EaglekitError(f"cannot ask {config.servers[0]} for its model ({error}); start the server, "
+                            "fix servers=, or pass model=NAME") from None
 
 
 def _finish(config: Config, directory: Path, total: int, skipped: int, progress: Progress, seconds: float,

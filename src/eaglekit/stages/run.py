@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from eaglekit.config import option, save_resolved, to_dict
 from eaglekit.errors import EaglekitError
@@ -45,6 +45,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Config:
+    # the options' ranges (the run's and every section's) are checked when the run plans: one error naming the
+    # stage that would refuse each (`check_sections`)
+    CHECK_ON_LOAD: ClassVar[bool] = False
+
     target: str = option("", "target model directory, hub id or 'tiny' (the built-in tiny target)")
     data: tuple[str, ...] = option((), "prompt/conversation files; 'tiny' = the shipped tiny prompts; paths "
                                        "may be package-relative")
@@ -52,6 +56,9 @@ class Config:
     overwrite: bool = option(False, "run into a directory that is not empty and was not written by eaglekit run")
     device: str = option("auto", "device for every stage that loads a model (a section's own device wins)")
     trust_remote_code: bool = option(False, "allow the target's own modelling code in every stage")
+    skip_errors: bool = option(False, "skip malformed records of the data in every stage that reads them (regen, "
+                                      "extract, vocab, train, bench) instead of stopping; a section's own "
+                                      "skip_errors=true skips them in that stage alone")
     stages: tuple[str, ...] = option(PIPELINE,
                                      "stages to run, in pipeline order (leave out regen to train on data as is)")
     training: str = option("offline",
@@ -68,9 +75,9 @@ class Config:
                                                 "benched into bench-<type>/ on the same prompts. Empty: "
                                                 "train.drafter_type alone")
     extract_processes: int = option(1, "> 1: run extract under torchrun with this many processes (one GPU "
-                                       "each, data-parallel)")
+                                       "each, data-parallel)", min=1)
     train_processes: int = option(1, "> 1: run train under torchrun with this many processes (DDP, or FSDP2 with "
-                                     "train.distributed=fsdp)")
+                                     "train.distributed=fsdp)", min=1)
     regen: _regen.Config = option(_regen.Config(), "regen options (section)")
     extract: _extract.Config = option(_extract.Config(), "extract options (section)")
     vocab: _vocab.Config = option(_vocab.Config(), "vocab options (section)")
@@ -123,8 +130,6 @@ def _check(config: Config) -> tuple[str, ...]:
     if ("bench" in stages or "export" in stages) and "train" not in stages:
         raise EaglekitError("bench and export use the drafter that train writes: keep train in stages "
                             "(a finished train stage is skipped on re-run, not trained again)")
-    if config.extract_processes < 1 or config.train_processes < 1:
-        raise EaglekitError("extract_processes and train_processes must be >= 1")
     if config.extract_processes > 1 and config.capture == "vllm":
         raise EaglekitError("capture=vllm runs one engine (it shards the target itself: extract.tensor_parallel_size); "
                             "use extract_processes=1")
@@ -163,7 +168,8 @@ def stage_config(config: Config, name: str, **wired: Any) -> Any:
     """The section `name` of the run config with the connecting paths (`wired`) filled in.
 
     A wired option set in the section to something else is refused: the run decides where stages read
-    and write. `device` and `trust_remote_code` come from the run unless the section sets its own.
+    and write. `device` comes from the run unless the section sets its own; `trust_remote_code` and `skip_errors`
+    set on the run are set in every section that has them.
     """
     section = getattr(config, name)
     default = type(section)()
@@ -175,8 +181,9 @@ def stage_config(config: Config, name: str, **wired: Any) -> Any:
     fill: dict[str, Any] = {}
     if hasattr(section, "device") and section.device == default.device:
         fill["device"] = config.device
-    if hasattr(section, "trust_remote_code") and config.trust_remote_code:
-        fill["trust_remote_code"] = True
+    for flag in ("trust_remote_code", "skip_errors"):
+        if hasattr(section, flag) and getattr(config, flag):
+            fill[flag] = True
     return dataclasses.replace(section, **{**fill, **wired})
 
 
@@ -231,8 +238,23 @@ def _data_steps(config: Config, stages: tuple[str, ...], out: Path, data: tuple[
     return [step], (str(out / "regen" / _regen.OUTPUT_FILE),), ("regen",)
 
 
+def check_sections(config: Config) -> None:
+    """Every option of every section (and of the run) within its declared range, or one error naming each bad one
+    as `section.key` and the stages that would refuse them."""
+    from eaglekit.config import option_problems, out_of_range
+
+    problems = option_problems(config)
+    if not problems:
+        return
+    stages = list(dict.fromkeys(p.key.split(".")[0] if "." in p.key else "run" for p in problems))
+    who = ", ".join(stages[:-1]) + (" and " if len(stages) > 1 else "") + stages[-1]
+    raise EaglekitError(f"{who} would refuse {'this option' if len(problems) == 1 else 'these options'}, so nothing "
+                        f"ran: {out_of_range(problems)}")
+
+
 def plan(config: Config) -> list[Step]:
     """Every step of this run with its config built (so a bad option fails before anything runs)."""
+    check_sections(config)
     stages = _check(config)
     out, target = Path(config.out), _target_inputs(config.target)
     data = tuple(resolve_data_path(d) for d in config.data)
@@ -392,6 +414,27 @@ def _doctor_step(directory: Path) -> Callable[[Any], Any]:
     return go
 
 
+def check_data(steps: list[Step], out: Path) -> None:
+    """Read the files each step reads from outside the run folder (the data, bench's prompts) as that step will,
+    honouring its skip_errors: a malformed record is one error now, naming the first step it would stop and the fix
+    (`skip_errors=true` on the run skips malformed records in every stage), not a failure after hours of work."""
+    from eaglekit.data import read_conversations
+
+    read: set[tuple[tuple[str, ...], bool]] = set()
+    for step in steps:
+        config = step.make_config()
+        files = (*getattr(config, "data", ()), *((config.prompts,) if getattr(config, "prompts", "") else ()))
+        files = tuple(f for f in files if out.resolve() not in Path(f).resolve().parents)
+        skip = bool(getattr(config, "skip_errors", False))
+        if not files or (files, skip) in read:
+            continue
+        read.add((files, skip))
+        try:
+            read_conversations(list(files), skip_errors=skip)
+        except EaglekitError as error:
+            raise EaglekitError(f"{step.name} would stop at its data, so nothing ran: {error}") from None
+
+
 # ---- the run --------------------------------------------------------------------------------------
 
 def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
@@ -408,6 +451,7 @@ def run(config: Config) -> dict[str, Any]:
 
     steps = plan(config)
     locate_target(config.target)  # a hub id neither served nor cached: one error now, not after training
+    check_data(steps, Path(config.out))  # a malformed record: one error now, for the stage that reads it
     check_steps(steps, config.target, config.trust_remote_code, _bench._check)  # what bench/export would refuse
     out = claim_output(config.out, "run", config.overwrite)
     save_resolved(config, out, name="run.yaml")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglekit import registry
-from eaglekit.config import option
+from eaglekit.config import check_options, option
 from eaglekit.config.decode import DecodeOptions
 from eaglekit.errors import EaglekitError
 from eaglekit.generation.backends import HFBackend
@@ -32,13 +32,13 @@ POSITIONAL = ("target",)
 class Config:
     target: str = option("", "target model directory, hub id or 'tiny'")
     host: str = option("127.0.0.1", "address to listen on (0.0.0.0 exposes the server to the network)")
-    port: int = option(8000, "TCP port (0 = any free port)")
+    port: int = option(8000, "TCP port (0 = any free port)", min=0, max=65535)
     api_key: str = option("", "require 'Authorization: Bearer KEY' (default: $EAGLEKIT_API_KEY; empty = no key)")
     model_name: str = option("", "model name in /v1/models and responses (default: the target's directory name)")
-    queue_size: int = option(64, "requests that may wait; more get HTTP 503")
-    max_batch_size: int = option(8, "queued non-streaming requests with equal settings generated together")
-    max_tokens: int = option(512, "max_tokens when a request gives none")
-    max_tokens_limit: int = option(8192, "largest max_tokens a request may ask for")
+    queue_size: int = option(64, "requests that may wait; more get HTTP 503", min=1)
+    max_batch_size: int = option(8, "queued non-streaming requests with equal settings generated together", min=1)
+    max_tokens: int = option(512, "max_tokens when a request gives none", min=1)
+    max_tokens_limit: int = option(8192, "largest max_tokens a request may ask for", min=1)
     device: str = option("auto", "device (auto, cpu, cuda, cuda:1)")
     dtype: str = option("auto", "dtype (auto = bf16 on GPU, fp32 on CPU)")
     chat_template: str = option("", "chat template (Jinja text or file) instead of the tokenizer's own")
@@ -50,14 +50,14 @@ class Config:
                          choices=registry.method_names())
     chain_length: int = option(
         DecodeOptions.chain_length, "with drafter, method=chain: draft tokens per target forward"
-    )
-    depth: int = option(DecodeOptions.depth, "with drafter, method=tree: draft levels")
+    , min=1)
+    depth: int = option(DecodeOptions.depth, "with drafter, method=tree: draft levels", min=1)
     total_tokens: int = option(
         DecodeOptions.total_tokens, "with drafter, method=tree: draft nodes verified per target forward"
-    )
+    , min=1)
     tree_top_k: int = option(
         DecodeOptions.tree_top_k, "with drafter, method=tree: children per node and nodes expanded per level"
-    )
+    , min=1)
 
 
 def build_engine(config: Config) -> GenerationEngine:
@@ -87,12 +87,11 @@ def build_engine(config: Config) -> GenerationEngine:
 
 def build_server(config: Config, engine: GenerationEngine | None = None) -> ChatServer:
     """A bound, not yet started server for `config` (tests call `.start()`, the CLI `.serve_forever()`)."""
+    check_options(config)  # each option within its declared range (the CLI's load_config checked them already)
     if not config.target:
         raise EaglekitError("no target given: eaglekit serve PATH_OR_HUB_ID (or target=tiny)")
     if config.max_tokens < 1 or config.max_tokens > config.max_tokens_limit:
         raise EaglekitError("max_tokens must be between 1 and max_tokens_limit")
-    if min(config.chain_length, config.depth, config.total_tokens, config.tree_top_k) < 1:
-        raise EaglekitError("chain_length, depth, total_tokens and tree_top_k must be at least 1")
     is_path = Path(config.target).expanduser().exists()
     name = config.model_name or (Path(config.target.rstrip("/")).name if is_path else config.target)
     return ChatServer(

@@ -30,12 +30,14 @@ POSITIONAL = ("data",)
 @dataclass(frozen=True)
 class Config:
     data: tuple[str, ...] = option((), "conversation files (JSONL/JSON/HF dataset dirs) to count tokens in")
+    skip_errors: bool = option(False, "skip malformed records of data (counted) instead of stopping")
     shards: str = option("", "an `extract` output directory to count tokens in (instead of data)")
     target: str = option("", "target model (path, hub id or 'tiny'): its tokenizer and vocabulary size")
     output: str = option("", "output directory for vocab.safetensors")
     # 32000 = eaglekit.training.vocab.DEFAULT_SIZE, written out to keep torch out of `--help` (tests/test_cli.py checks)
-    size: int = option(32000, "draft vocabulary size N (the whole target vocabulary if smaller)")
-    max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training)")
+    size: int = option(32000, "draft vocabulary size N (the whole target vocabulary if smaller)", min=1)
+    max_length: int = option(2048, "tokens per conversation (longer ones are truncated, as in training; 0 = no "
+                                   "limit)", min=0)
     chat_template: str = option("", "chat template (Jinja text or .jinja file) overriding the tokenizer's")
     init_from: str = option("", "an existing eaglekit drafter: its mapping is kept (fine-tuning)")
     rebuild: bool = option(False, "with init_from: build a new mapping anyway (train then remaps lm_head rows)")
@@ -50,8 +52,9 @@ def conversation_records(config: Config) -> Iterator[tuple[list[int], list[int]]
     from eaglekit.targets.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
-    tokenized = tokenize_conversations(tokenizer, read_conversations(list(config.data)), config.max_length,
-                                       config.chat_template or None, desc="vocab: tokenising")
+    conversations = read_conversations(list(config.data), skip_errors=config.skip_errors)
+    tokenized = tokenize_conversations(tokenizer, conversations, config.max_length, config.chat_template or None,
+                                       desc="vocab: tokenising")
     return ((record.input_ids, record.loss_mask) for record in tokenized.records)
 
 
@@ -111,8 +114,10 @@ def run(config: Config) -> dict[str, Any]:
     output = claim_output(config.output, "vocab", config.overwrite)
     counts, source = count(config)
     if int(counts.sum()) == 0:
-        raise EaglekitError("no loss-masked (assistant) tokens found in the data; check the chat template / loss mask "
-                            "with `eaglekit inspect`")
+        raise EaglekitError("no loss-masked (assistant) tokens found in the data: prompts alone need answers, from "
+                            "the target with `eaglekit regen PROMPTS output=DIR target=T` (then count "
+                            "DIR/conversations.jsonl); else check the chat template / loss mask with "
+                            "`eaglekit inspect`")
     mapping, how = choose(config, counts)
     path = save_vocab(output / VOCAB_FILE, mapping)
     coverage = mapping.coverage()

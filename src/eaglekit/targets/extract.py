@@ -100,8 +100,12 @@ def read_records(paths: tuple[str, ...], tokenizer: Any, max_length: int, chat_t
         raise EaglekitError(f"no conversations in {', '.join(paths)}; check the data files (empty?)")
     tokenized = tokenize_conversations(tokenizer, conversations, max_length, chat_template or None)
     if not tokenized.records:
-        raise EaglekitError(f"none of the {len(conversations)} records has assistant tokens to learn from; "
-                            "check the data")
+        prompts_only = not any(m.role == "assistant" for c in conversations for m in c.messages)
+        fix = (f"the data holds prompts only: have the target answer them first with `eaglekit regen {paths[0]} "
+               "output=DIR target=T` and extract DIR/conversations.jsonl (`eaglekit run` does this with regen in its "
+               "stages)" if prompts_only else
+               f"check which tokens are learned with `eaglekit inspect {paths[0]} target=T` (or pass chat_template=)")
+        raise EaglekitError(f"none of the {len(conversations)} records has assistant tokens to learn from: {fix}")
     records = [Record(r.id, torch.tensor(r.input_ids, dtype=torch.long), torch.tensor(r.loss_mask, dtype=torch.uint8))
                for r in tokenized.records]
     return records, tokenized.stats()

@@ -38,12 +38,13 @@ class Batch:
 
 # --- records ------------------------------------------------------------------------------------
 def conversation_records(paths: tuple[str, ...], tokenizer: Any, max_length: int,
-                         chat_template: str = "") -> list[dict[str, Any]]:
-    """Tokenised conversations with at least one assistant token: {"id", "input_ids" (T,), "loss_mask" (T,)}."""
+                         chat_template: str = "", skip_errors: bool = False) -> list[dict[str, Any]]:
+    """Tokenised conversations with at least one assistant token: {"id", "input_ids" (T,), "loss_mask" (T,)}
+    (`skip_errors`: malformed records are skipped and counted instead of stopping the read)."""
     from eaglekit.data import read_conversations, tokenize_conversations
 
-    tokenized = tokenize_conversations(tokenizer, read_conversations(list(paths)), max_length, chat_template or None,
-                                       desc="tokenizing")
+    conversations = read_conversations(list(paths), skip_errors=skip_errors)
+    tokenized = tokenize_conversations(tokenizer, conversations, max_length, chat_template or None, desc="tokenizing")
     return [{"id": r.id, "input_ids": torch.tensor(r.input_ids, dtype=torch.long),
              "loss_mask": torch.tensor(r.loss_mask, dtype=torch.bool)} for r in tokenized.records]
 

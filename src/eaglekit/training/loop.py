@@ -37,7 +37,7 @@ MIN_VALIDATION_RECORDS = 20  # fewer: a warning that the validation figures are 
 # options that change neither the data order nor the math: a run may resume with other values
 RESUME_IGNORED = ("resume", "overwrite", "log_every", "val_every", "save_every", "keep_checkpoints", "compile",
                   "device", "device_map",
-                  "pad_to_multiple")
+                  "pad_to_multiple", "skip_errors")
 AUTO_PAD_CUDA = 128  # pad_to_multiple=0 on CUDA: at most max_length/128 distinct lengths reach the kernels
 
 

@@ -40,6 +40,9 @@ class TrainingTarget:
 
 
 def _check(config: Any, world: int) -> None:
+    from eaglekit.config import check_options
+
+    check_options(config)  # each option within its declared range (the CLI's load_config checked them already)
     if not config.output:
         raise EaglekitError("no output directory: pass output=DIR")
     if not config.target:
@@ -62,10 +65,6 @@ def _check(config: Any, world: int) -> None:
         if importlib.util.find_spec("accelerate") is None:
             raise EaglekitError(f"device_map={config.device_map} needs the `accelerate` package, which is not "
                                 f"installed: {install_hint('accelerate')}")
-    if config.ttt_steps < 1 or config.batch_size < 1 or config.grad_accum < 1:
-        raise EaglekitError("ttt_steps, batch_size and grad_accum must be at least 1")
-    if config.init_std < 0:
-        raise EaglekitError(f"init_std must be >= 0 (0 = torch's default initialisation), got {config.init_std}")
     if config.init_std > 0 and config.init_from:
         raise EaglekitError(f"init_std={config.init_std} initialises a fresh drafter, but "
                             f"init_from={config.init_from} brings its own weights: drop one of them")
@@ -118,12 +117,15 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
                              trust_remote_code=config.trust_remote_code,
                              device_map=config.device_map or None)
         tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
-        records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template)
+        records = conversation_records(config.data, tokenizer, config.max_length, config.chat_template,
+                                       config.skip_errors)
         if not records:
             raise EaglekitError(f"no assistant tokens in DATA: {', '.join(config.data)}: no "
-                                "conversation has an assistant answer to learn from after the chat template; check the "
-                                f"roles with `eaglekit inspect {config.data[0]} target={config.target}` (or "
-                                "pass chat_template=)")
+                                "conversation has an assistant answer to learn from after the chat template; have "
+                                f"the target answer prompts alone with `eaglekit regen {config.data[0]} output=DIR "
+                                f"target={config.target}` (then train on DIR/conversations.jsonl); else check the "
+                                f"roles with `eaglekit inspect {config.data[0]} target={config.target}` (or pass "
+                                "chat_template=)")
         tokens = [(r["input_ids"], r["loss_mask"]) for r in records]
         embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     counts = functools.cache(lambda: count_tokens(tokens, int(tc.vocab_size)))
