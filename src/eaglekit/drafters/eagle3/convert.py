@@ -192,6 +192,7 @@ def drafter_config_from(data: dict[str, Any], layout: str, from_format: str = "a
             target_name_or_path=marker.get("target_name_or_path") or verifier.get("name_or_path") or "",
             target_architecture=marker.get("target_architecture") or (verifier.get("architectures") or [""])[0],
             target_num_layers=int(target_num_layers or marker.get("target_num_layers") or 0),
+            target_weights_hash=str(marker.get("target_weights_hash") or ""),
             **variant_flags(data), **mla_format.drafter_fields(data),
         )
     except KeyError as error:
