@@ -79,7 +79,8 @@ def test_speculators_export_loads_in_speculators(tmp_path):
     (tmp_path / "loader.py").write_text(LOADER)
     result = subprocess.run([python, str(tmp_path / "loader.py"), str(tmp_path / "spec"), str(tmp_path / "probe.pt"),
                              str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout[-1000:] + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), \
+        result.stdout[-1000:] + result.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt")
     mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():

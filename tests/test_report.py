@@ -221,7 +221,8 @@ def test_the_report_and_the_training_log_say_the_same_steps_epochs_and_passes(ch
                  "log_every": 1, "device": "cpu"}
     with caplog.at_level(logging.INFO):
         train.run(load_config(train.Config, overrides=overrides))
-    assert "max_steps=7 decides (epochs=1 is ignored): 2.3 passes over 12 training records at 3 steps each" in caplog.text
+    assert ("max_steps=7 decides (epochs=1 is ignored): 2.3 passes over 12 training records at 3 steps each"
+            in caplog.text)
     assert "step 7/7 (epoch 3, 2.3 passes):" in caplog.text
     written = json.loads((tmp_path / "train" / "manifest.json").read_text())
     text = "\n".join(_section_training({"train": written, "out": tmp_path}, plotted=False))
