@@ -202,3 +202,17 @@ def test_export_warns_when_ids_are_not_the_engine_default(tmp_path):
     assert export_drafter(make_drafter(), tmp_path / "a", "vllm")["warnings"] == []
     summary = export_drafter(make_drafter(aux_layer_ids=(1, 4, 6)), tmp_path / "b", "vllm")
     assert len(summary["warnings"]) == 1 and "[2, 4, 5]" in summary["warnings"][0]
+
+
+def test_the_aux_layers_warning_is_logged_once_for_every_format(tmp_path, caplog, monkeypatch):
+    """`eaglekit run` exports one drafter in each format: the warning, the same each time, is logged once."""
+    import logging
+
+    from eaglekit.drafters.eagle3 import convert
+
+    monkeypatch.setattr(convert, "LOGGED_WARNINGS", set())
+    drafter = make_drafter(aux_layer_ids=(1, 4, 6))
+    with caplog.at_level(logging.WARNING):
+        summaries = [export_drafter(drafter, tmp_path / fmt, fmt) for fmt in ("vllm", "sglang", "speculators")]
+    assert all(len(summary["warnings"]) == 1 for summary in summaries)  # each export's manifest still says it
+    assert caplog.text.count("are not the engine default") == 1

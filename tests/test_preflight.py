@@ -74,6 +74,25 @@ def test_bench_options_and_engine_are_checked_before_training(tmp_path):
             "bench would refuse", f"vllm_python {missing} does not exist")
 
 
+def test_a_target_without_a_tokenizer_that_loads_is_refused_before_anything_is_written(tmp_path):
+    """The run's first stage would fail on it after writing its folder (transformers' message runs over lines)."""
+    import shutil
+
+    from eaglekit.targets.loading import tiny_target_path
+
+    target = tmp_path / "weights-only"
+    target.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(tiny_target_path() / name, target / name)
+    message = refused(run_config(str(target), tmp_path / "run"), f"target {target} has no tokenizer files",
+                      f"copy the tokenizer files of the model it was made from into {target}")
+    assert "\n" not in message
+    shutil.copy(tiny_target_path() / "tokenizer_config.json", target / "tokenizer_config.json")  # a config only
+    message = refused(run_config(str(target), tmp_path / "run"), f"cannot load the tokenizer of {target}",
+                      "check its tokenizer files")
+    assert "\n" not in message
+
+
 def test_the_default_plan_passes(tmp_path):
     config = run_config("tiny", tmp_path / "run")
     check_steps(plan(config), config.target, bench_options=bench_stage._check)

@@ -206,3 +206,39 @@ def test_a_launch_command_the_doctor_says_the_engine_refuses_is_marked(tmp_path)
     assert "The doctor says vllm 0.32.0 will not serve this target with an EAGLE-3 drafter as installed" in vllm_part
     assert vllm_part.index("will not serve") < vllm_part.index("vllm serve t")
     assert "will not serve" not in text[text.index("**sglang**"):]
+
+
+def test_the_report_and_the_training_log_say_the_same_steps_epochs_and_passes(chat_target, data, tmp_path, caplog):
+    """12 records in batches of 4: 3 steps an epoch; max_steps=7 ends in the third epoch, 2.3 passes in."""
+    import logging
+
+    from eaglekit.config import load_config
+    from eaglekit.report import _section_training
+    from eaglekit.stages import train
+
+    overrides = {"target": chat_target, "data": [str(data)], "output": str(tmp_path / "train"), "max_steps": 7,
+                 "batch_size": 4, "ttt_steps": 1, "draft_vocab_size": 64, "max_length": 64, "val_fraction": 0.0,
+                 "log_every": 1, "device": "cpu"}
+    with caplog.at_level(logging.INFO):
+        train.run(load_config(train.Config, overrides=overrides))
+    assert ("max_steps=7 decides (epochs=1 is ignored): 2.3 passes over 12 training records at 3 steps each"
+            in caplog.text)
+    assert "step 7/7 (epoch 3, 2.3 passes):" in caplog.text
+    written = json.loads((tmp_path / "train" / "manifest.json").read_text())
+    text = "\n".join(_section_training({"train": written, "out": tmp_path}, plotted=False))
+    assert "7 optimizer steps: 2.3 passes over the training records (the last step in epoch 3)" in text
+    assert "2 epoch(s) finished" in "\n".join(_section_training({"train": {**written, "passes": None}, "out": tmp_path},
+                                                                plotted=False))  # a manifest from before passes
+
+
+def test_the_learned_nothing_warning_fires_at_its_thresholds_and_not_above():
+    from eaglekit.report.notes import learned_nothing
+
+    nothing, mismatch = "learned (next to) nothing", "right in validation but not when decoding"
+    assert learned_nothing({"val_accuracy": 0.26, "tau": 1.20}) is None  # learned something, and decoding agrees
+    assert nothing in learned_nothing({"val_accuracy": 0.05, "tau": 1.05})
+    assert nothing in learned_nothing({"val_accuracy": 0.10}) and nothing in learned_nothing({"tau": 1.10})
+    assert learned_nothing({"val_accuracy": 0.11}) is None and learned_nothing({"tau": 1.11}) is None
+    assert learned_nothing({"val_accuracy": 0.5, "tau": 1.3}) is None
+    assert mismatch in learned_nothing({"val_accuracy": 0.5, "tau": 1.2})  # half the first drafts promised, a fifth
+    assert mismatch in learned_nothing({"val_accuracy": 0.26, "tau": 1.05})

@@ -10,6 +10,7 @@ asked of vLLM, the errors, the final norm, reading a request's file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from eaglekit.vllm import extract as vllm_extract
 from eaglekit.targets.store import HiddenStateDataset, StoreLayout
 
 PROMPTS = str(engines.PROMPTS)
+BROKEN_BYTE = 97  # a tiny-tokenizer token holding one byte of a multi-byte UTF-8 character
 
 
 # ---- no engine ---------------------------------------------------------------------------------------------
@@ -77,6 +79,36 @@ def test_a_record_longer_than_the_context_is_refused_before_the_engine_and_the_e
     refused = "ValueError: The decoder prompt (length 300) is longer than the maximum model length of 256."
     engine = ve.Engine(python="/no/vllm/bin/python", version="0.0")
     assert vc.engine_error(refused, "/m", engine).startswith("a request is longer than vLLM's max_model_len")
+
+
+def test_an_answer_whose_text_re_encodes_longer_is_cut_to_fit_the_engines_context():
+    """Token 97 of the tiny tokenizer is one byte of a UTF-8 character: alone it decodes to U+FFFD, three tokens
+    when the answered text is tokenised again, so 16 generated tokens become 48 in the record."""
+    from eaglekit.data import read_conversations, tokenize_conversation
+    from eaglekit.data.tokenize import resolve_chat_template
+    from eaglekit.targets.loading import load_tokenizer
+    from eaglekit.vllm import regenerate as vr
+
+    tokenizer = load_tokenizer("tiny")
+    prompt = vr.prompt_of(read_conversations([PROMPTS])[0])
+    template = resolve_chat_template(tokenizer, None)
+    length = len(vr.prompt_ids(vr.Regeneration(tokenizer, template, 0, 16, 0.0, 0, (2,), 0), prompt))
+    regeneration = vr.Regeneration(tokenizer, template, 0, 16, 0.0, 0, (2,), length + 16 + vr.TEMPLATE_TAIL)
+    answer = vr.fitting_answer(regeneration, prompt, [BROKEN_BYTE] * 16)
+    assert answer.reason == "length" and 0 < answer.dropped < 16
+    assert len(answer.tokenized.input_ids) + 1 <= regeneration.context  # the capture request fits
+    text = answer.conversation.messages[-1].content
+    assert text == "\ufffd" * (16 - answer.dropped)  # the longest prefix that fits: one more would not
+    assert len(tokenize_conversation(tokenizer, answer.conversation, 0, template).input_ids) == \
+        len(answer.tokenized.input_ids) > regeneration.context - 1 - 3
+    ordinary = vr.fitting_answer(regeneration, prompt, [70, 80, 90, 2, 5])
+    assert ordinary.reason == "stop" and ordinary.dropped == 0
+    assert ordinary.conversation.messages[-1].content == tokenizer.decode([70, 80, 90])
+    with pytest.raises(EaglekitError, match="without its answer.*max_model_len"):
+        vr.fitting_answer(dataclasses.replace(regeneration, context=length), prompt, [70])
+    config = load_config(extract.Config, None, ["data=x", "output=y", "target=tiny", "backend=vllm", "regenerate=true",
+                                                "vllm_engine_args={\"max_model_len\": 300}"])
+    assert vllm_extract.max_model_len(config, None, [], [length]) == 300  # the engine's context sizes the answers
 
 
 def test_final_norm_is_the_targets_own():
@@ -163,6 +195,26 @@ def qwen3_moe(directory: Path) -> str:
     return str(directory)
 
 
+def broken_byte_target(directory: Path) -> str:
+    """The tiny target's shape and tokenizer, its weights set so that it answers BROKEN_BYTE at every step: every
+    embedding is the first unit vector, the layers add nothing (zero projections), the head scores only that token."""
+    import transformers as tf
+
+    from eaglekit.targets.loading import tiny_target_path
+
+    config = tf.AutoConfig.from_pretrained(tiny_target_path())
+    config.tie_word_embeddings = False
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        model.get_input_embeddings().weight[:, 0] = 1.0
+        model.get_output_embeddings().weight[BROKEN_BYTE, 0] = 1.0
+    model.save_pretrained(directory)
+    engines._with_tiny_tokenizer(directory)
+    return str(directory)
+
+
 # ---- the real engine ---------------------------------------------------------------------------------------
 
 def killed_then_resumed(out: Path, target: str, *options: str, limit: int) -> dict:
@@ -208,6 +260,23 @@ def test_regenerate_and_capture_killed_and_resumed_equals_regen_then_extract(reg
     assert_same_store(regenerated / "hf-extract", regenerated / "vllm")
     assert not (regenerated / "vllm" / vc.SPOOL).exists()
     assert json.loads((regenerated / "vllm" / "manifest.json").read_text())["backend"] == "vllm"
+
+
+@pytest.mark.engine
+def test_regenerated_answers_that_re_encode_longer_are_cut_to_fit_and_stored_as_their_text(tmp_path):
+    """Every answer of the broken-byte target is 16 x U+FFFD, 48 tokens once re-tokenised: more than the engine's
+    context (longest prompt + 16 + the template's tail allowance) holds for the longest prompt, which vLLM refused
+    ("maximum context length is 84 tokens. However, your prompt contains 102 input tokens"). The answers are cut to
+    fit, and the store is `extract` of regenerated.jsonl's text."""
+    target = broken_byte_target(tmp_path / "target")
+    stats = run_extract(tmp_path / "vllm", target, "backend=vllm", "regenerate=true", "max_new_tokens=16",
+                        f"vllm_python={engines.vllm_python()}", limit=2)
+    assert stats["finish_reasons"] == {"length": 2} and stats["answers_cut_to_fit_context"] >= 1
+    lines = [json.loads(line) for line in (tmp_path / "vllm" / vllm_extract.REGENERATED_FILE).read_text().splitlines()]
+    assert len(lines) == 2 and all(set(line["messages"][-1]["content"]) == {"\ufffd"} for line in lines)
+    assert any(line["regen"].get("tokens_cut_to_fit_context") for line in lines)
+    run_extract(tmp_path / "hf", target, data=str(tmp_path / "vllm" / vllm_extract.REGENERATED_FILE), limit=2)
+    assert_same_store(tmp_path / "hf", tmp_path / "vllm")
 
 
 @pytest.mark.engine

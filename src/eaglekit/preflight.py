@@ -14,17 +14,17 @@ the first refusal as one `EaglekitError` naming the stage and the fix:
   aux layers, variant flags, `drafter_arch`; or `init_from`'s own config) against that format's rules (the type's
   `check_exportable`);
 - doctor: nothing; a doctor that cannot read an engine reports the verdict "unknown" instead of failing the run.
+
+`check_tokenizer(target)`: every stage of a run tokenises, so a target without a tokenizer that loads is refused
+before anything is written (`run` calls it after `check_steps`).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Iterable
 
 from eaglekit import registry
 from eaglekit.errors import EaglekitError
-
-log = logging.getLogger(__name__)
 
 
 def _refused(stage: str, error: EaglekitError) -> EaglekitError:
@@ -64,6 +64,14 @@ def check_bench(config: Any, target_config: Any, methods: list[str]) -> None:
         from eaglekit.targets.loading import local_model_dir
 
         check_served(find_engine(config.vllm_python, config.vllm_version_check), local_model_dir(config.target))
+
+
+def check_tokenizer(target: str, trust_remote_code: bool = False) -> None:
+    """Refuse a target whose tokenizer does not load (no tokenizer files in its folder, say): one line naming the
+    fix, where the first stage would fail after writing its folder."""
+    from eaglekit.targets.loading import load_tokenizer
+
+    load_tokenizer(target, trust_remote_code=trust_remote_code)
 
 
 def planned_drafter(train: Any, target_config: Any, aux_layers: tuple[int, ...]) -> Any | None:
@@ -113,4 +121,3 @@ def check_steps(steps: Iterable[Any], target: str, trust_remote_code: bool = Fal
                 check_export(formats, drafter, configs["train"].drafter_type)
             except EaglekitError as error:
                 raise _refused("export", error) from None
-    log.info("pre-flight: %s would accept this target and these options", ", ".join(configs))

@@ -29,12 +29,14 @@ def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype
     """An eaglekit drafter on `device`, checked against `target` (refused when made for a structurally different
     one); a drafter saved without its embedding gets the target's. `target_name` defaults to the loaded path."""
     from eaglekit.formats.saved import check_drafter_target, load_saved_drafter
+    from eaglekit.targets.identity import target_weights_hash
 
     check_drafter_path(path)
     drafter = load_saved_drafter(path, device=device, dtype=dtype).eval()  # the class of its saved drafter_type
     drafter.requires_grad_(False)
+    weights = target_weights_hash(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     check_drafter_target(
-        drafter.config, target.config, path, target_name or getattr(target.config, "_name_or_path", "")
+        drafter.config, target.config, path, target_name or getattr(target.config, "_name_or_path", ""), weights
     )
     if not bool(drafter.embed_tokens.weight.any()):
         drafter.load_target_embedding(target.get_input_embeddings().weight)

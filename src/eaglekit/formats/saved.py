@@ -119,14 +119,27 @@ def target_mismatches(drafter_config: Any, target_config: Any) -> list[str]:
     return problems
 
 
-def check_drafter_target(drafter_config: Any, target_config: Any, source: str, target_name: str) -> None:
-    """Refuse a drafter made for a structurally different target (the fix named); warn when only the name differs."""
+def check_drafter_target(drafter_config: Any, target_config: Any, source: str, target_name: str,
+                         target_weights: str = "") -> None:
+    """Refuse a drafter made for a structurally different target (the fix named). Of the same shape: warn, with both
+    names, when the target's weights differ from those the drafter was trained on (`target_weights`, the target's
+    `targets.identity.target_weights_hash`, against the drafter's `target_weights_hash`; a drafter saved without one
+    is not compared), else when only the name differs."""
     recorded = drafter_config.target_name_or_path or "an unnamed target"
     problems = target_mismatches(drafter_config, target_config)
     if problems:
         raise EaglekitError(f"drafter {source} was made for another target ({recorded}; drafter vs this target: "
                             f"{'; '.join(problems)}): pass the target it was made for, or train/import a drafter "
                             f"for {target_name}")
+    trained_on = getattr(drafter_config, "target_weights_hash", "")
+    if trained_on and target_weights:
+        if trained_on != target_weights:
+            log.warning("drafter %s was trained on the weights of %s (fingerprint %s), this target %s has other "
+                        "weights (fingerprint %s): same architecture and shapes, so it is used, but it will accept "
+                        "few drafts; pass the target it was trained on, or train a drafter for %s", source,
+                        recorded, trained_on, target_name or "an unnamed target", target_weights,
+                        target_name or "this target")
+        return  # the weights it was trained on, under whatever name
     if drafter_config.target_name_or_path and target_name and _short_name(recorded) != _short_name(target_name):
         log.warning("drafter %s was trained for %s, this target is %s: same architecture and shapes, so it is used; "
                     "acceptance will be low if the weights differ", source, recorded, target_name)

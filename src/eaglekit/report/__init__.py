@@ -292,15 +292,24 @@ def _section_data(info: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _passes(train: dict[str, Any]) -> str:
+    """How far training went over its data, as the training log says it: passes (4.3), and the epoch the last step
+    was in (epoch 5 of the log's `step 60/60 (epoch 5, 4.3 passes)`)."""
+    passes = train.get("passes")
+    if passes is None:  # a manifest written before passes were recorded: epochs finished
+        return f"{train.get('epochs')} epoch(s) finished"
+    return f"{passes:.1f} passes over the training records (the last step in epoch {max(1, math.ceil(passes))})"
+
+
 def _section_training(info: dict[str, Any], plotted: bool) -> list[str]:
     lines = ["", "## Training", ""]
     train = info["train"]
     if not train:
         return lines + ["Not run or not finished (no train/manifest.json)."]
     val = train.get("val") or {}
-    lines.append(f"{train.get('mode', '?')} training, {train.get('steps')} optimizer steps over "
-                 f"{train.get('epochs')} epoch(s), {train.get('train_records')} training / {train.get('val_records')} "
-                 f"validation records; drafter: `{info['out'] / 'train'}`.")
+    lines.append(f"{train.get('mode', '?')} training, {train.get('steps')} optimizer steps: {_passes(train)}, "
+                 f"{train.get('train_records')} training / {train.get('val_records')} validation records; drafter: "
+                 f"`{info['out'] / 'train'}`.")
     if plotted:
         lines += ["", f"![training curves]({TRAINING_PLOT})"]
     if val.get("acc_k"):

@@ -4,7 +4,8 @@
   costs about as much as the target step it is meant to save: compute follows parameter counts there);
 - validation loss: the TTT loss is a 0.8^k-weighted SUM over draft positions, so it reads larger than each
   position's own loss;
-- a drafter that learned nothing (position-1 accuracy near 0, or tau near 1) gets a warning with the fixes.
+- a drafter that learned nothing (position-1 accuracy near 0, or tau near 1) gets a warning with the fixes; one
+  that validation says is often right but decoding hardly accepts, another warning (training longer will not help).
 
 Pure functions of the `eaglekit.report.collect` dictionary; parameter counts are estimated from config fields.
 """
@@ -15,9 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-LEARNED_NOTHING_ACCURACY = 0.05  # validation accuracy at draft position 1 below this: nothing learned
-LEARNED_NOTHING_TAU = 1.2  # measured tau below this: under one accepted draft token in five target forwards
-TRAINED_ACCURACY = 0.5  # validation accuracy at draft position 1 at or above this: training learned its data
+# The two "learned nothing" thresholds say the same thing: tau = 1 + acceptance at position 1 + ..., so a drafter
+# right at most once in ten first drafts (validation) accepts at most about one token per ten forwards (tau 1.1).
+LEARNED_NOTHING_ACCURACY = 0.10  # validation accuracy at draft position 1 at or below this: nothing learned
+LEARNED_NOTHING_TAU = 1.10  # measured tau at or below this: at most one accepted draft token per ten target forwards
 HEAVY_DRAFTER = 0.05  # a drafting step above this share of a target step makes deep trees cost more than they save
 
 
@@ -88,19 +90,23 @@ def speedup_note(numbers: dict[str, Any], bench: dict[str, Any], target: int | N
 
 
 def learned_nothing(numbers: dict[str, Any]) -> str | None:
-    """A warning when the drafter's predictions are hardly ever right (or right in validation only)."""
+    """A warning when the drafter's predictions are hardly ever right (validation accuracy at draft position 1 or
+    measured tau at their threshold or below), or right in validation only (decoding accepts under half of the
+    first drafts that validation accuracy promises: tau - 1 < accuracy / 2)."""
     accuracy, tau = numbers.get("val_accuracy"), numbers.get("tau")
-    if accuracy is not None and accuracy >= TRAINED_ACCURACY and tau is not None and tau < LEARNED_NOTHING_TAU:
+    learned = accuracy is not None and accuracy > LEARNED_NOTHING_ACCURACY
+    if learned and tau is not None and tau - 1 < accuracy / 2:
         return (f"**Warning: the drafter is right in validation but not when decoding** — validation accuracy at "
-                f"draft position 1 is {accuracy:.3f}, measured tau {tau:.2f}. Training learned its data, so what the "
-                "target generates here differs from that data: the training answers retokenise into other ids than "
-                "the target emits (compare `eaglekit inspect` of the training data with `eaglekit generate` on one "
-                "prompt), another chat template or system prompt when decoding, or bench prompts unlike the training "
-                "prompts. Training longer will not help.")
+                f"draft position 1 is {accuracy:.3f}, so about {accuracy:.0%} of first drafts should be accepted "
+                f"(tau of {1 + accuracy:.2f} or more), but measured tau is {tau:.2f}. Training learned its data, so "
+                "what the target generates here differs from that data: the training answers retokenise into other "
+                "ids than the target emits (compare `eaglekit inspect` of the training data with `eaglekit generate` "
+                "on one prompt), another chat template or system prompt when decoding, or bench prompts unlike the "
+                "training prompts. Training longer will not help.")
     signs = []
-    if accuracy is not None and accuracy < LEARNED_NOTHING_ACCURACY:
+    if accuracy is not None and accuracy <= LEARNED_NOTHING_ACCURACY:
         signs.append(f"validation accuracy at draft position 1 is {accuracy:.3f}")
-    if tau is not None and tau < LEARNED_NOTHING_TAU:
+    if tau is not None and tau <= LEARNED_NOTHING_TAU:
         signs.append(f"measured tau is {tau:.2f} (1.00 = no draft token ever accepted)")
     if not signs:
         return None

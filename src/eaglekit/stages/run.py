@@ -445,7 +445,7 @@ def _summary(records: list[StepRecord]) -> list[dict[str, Any]]:
 
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.manifest import atomic_write_json, claim_output
-    from eaglekit.preflight import check_steps
+    from eaglekit.preflight import check_steps, check_tokenizer
     from eaglekit.report import headline_text, write_report
     from eaglekit.targets.loading import locate_target
 
@@ -453,6 +453,8 @@ def run(config: Config) -> dict[str, Any]:
     locate_target(config.target)  # a hub id neither served nor cached: one error now, not after training
     check_data(steps, Path(config.out))  # a malformed record: one error now, for the stage that reads it
     check_steps(steps, config.target, config.trust_remote_code, _bench._check)  # what bench/export would refuse
+    check_tokenizer(config.target, config.trust_remote_code)  # every stage tokenises
+    log.info("pre-flight: %s would accept this target and these options", ", ".join(s.name for s in steps))
     out = claim_output(config.out, "run", config.overwrite)
     save_resolved(config, out, name="run.yaml")
     log.info("run: %d stages into %s: %s", len(steps), out, ", ".join(s.name for s in steps))

@@ -1,9 +1,10 @@
-"""Stable identities of a target and its tokenizer, so stored hidden states are never paired with the
-wrong model: `target_config_hash(config)` and `tokenizer_hash(tokenizer)` (16 hex digits each).
+"""Stable identities of a target and its tokenizer, so stored hidden states and drafters are never paired with
+the wrong model: `target_config_hash(config)`, `tokenizer_hash(tokenizer)` and `target_weights_hash(embedding,
+lm_head)` (16 hex digits each).
 
 Only what changes the numbers is hashed: the architecture-defining config fields (not the
-transformers version, the local path or the load dtype), and the tokenizer's vocabulary, special
-tokens and chat template (not its class or file layout).
+transformers version, the local path or the load dtype), the tokenizer's vocabulary, special
+tokens and chat template (not its class or file layout), and a sample of the weights (not their dtype).
 """
 
 from __future__ import annotations
@@ -47,3 +48,26 @@ def tokenizer_hash(tokenizer: Any) -> str:
     }
     ordered = sorted(vocab.items(), key=lambda item: item[1])
     return data_hash({"vocab": ordered, "special": special, "template": template})
+
+
+WEIGHT_ROWS = 64  # rows of the embedding and of the lm_head that `target_weights_hash` reads
+
+
+def target_weights_hash(embedding: Any, lm_head: Any) -> str:
+    """Fingerprint of a target's weights: WEIGHT_ROWS rows spread evenly over the vocabulary of its input embedding
+    (V, H) and its lm_head (V, H), rounded to bf16, so the target read from its checkpoint (offline training) or
+    loaded in fp32 or bf16 (online training, decoding) gives the same. Two targets of the same shape with other
+    weights (a base model and its fine-tune) differ in it. "" when the weights are not in memory (meta tensors)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for weight in (embedding, lm_head):
+        if weight is None or weight.is_meta:
+            return ""
+        rows = torch.linspace(0, weight.shape[0] - 1, min(WEIGHT_ROWS, weight.shape[0])).round().long()
+        sample = weight.detach().index_select(0, rows.to(weight.device)).to("cpu", torch.bfloat16).contiguous()
+        digest.update(str(tuple(weight.shape)).encode())
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -181,13 +181,28 @@ def locate_target(name_or_path: str) -> str:
     return cached
 
 
+# the files a model folder keeps its tokenizer in (one of them at least)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tiktoken.model")
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
+    """The target's tokenizer; a folder without tokenizer files, or one transformers cannot load, is one error line
+    naming the fix (transformers' own message runs over several lines)."""
     from transformers import AutoTokenizer
 
+    path = locate_target(name_or_path)
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise EaglekitError(f"target {name_or_path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): "
+                            f"copy the tokenizer files of the model it was made from into {path}, or pass a target "
+                            "that has them")
     try:
-        return AutoTokenizer.from_pretrained(locate_target(name_or_path), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        raise EaglekitError(f"cannot load the tokenizer of {name_or_path}: {error}") from None
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise EaglekitError(f"cannot load the tokenizer of {name_or_path} ({reason}): check its tokenizer files "
+                            f"({', '.join(TOKENIZER_FILES[:3])}, ...), or pass trust_remote_code=true if the model "
+                            "ships its own tokenizer code") from None
 
 
 def load_target_config(name_or_path: str, trust_remote_code: bool = False) -> Any:

@@ -156,11 +156,16 @@ class Trainer:
         if resume_from is not None:
             self._restore(resume_from)
 
+    def passes(self, steps: int) -> float:
+        """Passes over the training records after `steps` optimizer steps (epoch k + 1 runs from k to k + 1): what
+        the schedule note, the log lines and the manifest (hence the report) say."""
+        return steps / self.steps_per_epoch
+
     def _schedule_note(self) -> str:
         c, per_epoch = self.config, self.steps_per_epoch
         if c.max_steps:
             return (f"max_steps={c.max_steps} decides (epochs={c.epochs} is ignored): "
-                    f"{c.max_steps / per_epoch:.1f} passes over {len(self.train_idx)} training records at "
+                    f"{self.passes(c.max_steps):.1f} passes over {len(self.train_idx)} training records at "
                     f"{per_epoch} steps each")
         return f"{c.epochs} epoch(s) x {per_epoch} steps over {len(self.train_idx)} training records"
 
@@ -286,9 +291,9 @@ class Trainer:
         if pos.step % max(1, self.config.log_every) == 0 or pos.step == self.total_steps:
             self._write_metrics(metrics)
             if bar.disable and self.d.main:  # no terminal (a log file, CI): a line every log_every steps instead
-                log.info("step %d/%d (epoch %d): loss %.3f, acc@1 %.3f, %.0f tokens/s, ETA %s", pos.step,
-                         self.total_steps,
-                         pos.epoch + 1, metrics["loss"], metrics["acc_k"][0], metrics["tokens_per_s"], self._eta())
+                log.info("step %d/%d (epoch %d, %.1f passes): loss %.3f, acc@1 %.3f, %.0f tokens/s, ETA %s",
+                         pos.step, self.total_steps, pos.epoch + 1, self.passes(pos.step), metrics["loss"],
+                         metrics["acc_k"][0], metrics["tokens_per_s"], self._eta())
 
     def _eta(self) -> str:
         start, first = getattr(self, "_clock", (time.perf_counter(), self.position.step))
@@ -411,7 +416,8 @@ def train(config: TrainConfig, step_callback: Callable[[int, Any], None] | None 
             save_resolved(config, config.output)
         final_val = trainer.fit()
         state = trainer.full_drafter_state()
-        result = {"steps": trainer.position.step, "epochs": trainer.position.epoch, "val": final_val,
+        result = {"steps": trainer.position.step, "epochs": trainer.position.epoch,  # epochs finished
+                  "passes": trainer.passes(trainer.position.step), "val": final_val,
                   "train_records": len(trainer.train_idx), "val_records": len(trainer.val_idx)}
         if d.main:
             result.update({"after_training": found} if (found := trainer.after_training(state)) else {})

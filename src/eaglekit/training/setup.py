@@ -6,6 +6,7 @@ finished drafter with its manifest.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
     `config.drafter_type`'s `prepare` hook builds, `read_drafter` loads `init_from`."""
     from eaglekit.runtime import resolve_dtype
     from eaglekit.targets.capture import HiddenStateCapture, default_aux_layers, text_config, to_input_convention
-    from eaglekit.targets.identity import target_config_hash
+    from eaglekit.targets.identity import target_config_hash, target_weights_hash
     from eaglekit.targets.loading import load_target, load_target_config, load_tokenizer
     from eaglekit.targets.output_head import logit_transform
 
@@ -135,8 +136,10 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
                  if config.shards else None)
     target_facts = TrainingTarget(tc, architecture, aux_layers, counts, lambda: head, store_ids, read_drafter)
     drafter, vocab_note = registry.get(config.drafter_type).prepare(config, target_facts)
+    weights = target_weights_hash(embed, head)
     if config.init_from:
-        check_drafter_target(drafter.config, target_config, config.init_from, config.target)
+        check_drafter_target(drafter.config, target_config, config.init_from, config.target, weights)
+    drafter.config = dataclasses.replace(drafter.config, target_weights_hash=weights)  # saved with the drafter
     drafter.load_target_embedding(embed.detach().float().cpu())
     if not config.init_from and config.lm_head_init == "target":
         drafter.load_target_lm_head(head.detach())  # copies only the draft vocabulary's rows
@@ -155,7 +158,7 @@ def setup(config: Any, d: Any, stack: contextlib.ExitStack,
         capture = stack.enter_context(HiddenStateCapture(target, aux_input))
         source = OnlineSource(records, target, capture, drafter.t2d, config.max_length)
     identity = {"target": config.target, "target_architecture": architecture,
-                "target_config_hash": target_config_hash(target_config),
+                "target_config_hash": target_config_hash(target_config), "target_weights_hash": weights,
                 "mode": "offline" if config.shards else "online", "aux_layer_ids": list(aux_input),
                 "aux_layer_convention": INPUT_OF_LAYER, "vocab": vocab_note, "init_from": config.init_from or None}
     return drafter, source, identity

@@ -328,6 +328,7 @@ class CaptureCounters:
     records: int = 0
     tokens: int = 0
     generated_tokens: int = 0
+    answers_cut: int = 0  # regenerated answers cut to fit the engine's context
     seconds: float = 0.0
     engine_startup_seconds: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)

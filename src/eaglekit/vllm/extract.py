@@ -61,12 +61,17 @@ def engine_options(config: Any) -> Any:
 
 def max_model_len(config: Any, target_config: Any, records: list[Any], prompts: list[int]) -> int:
     """Tokens the engine must hold per request: the longest record (+1 sampled token), or the longest prompt with
-    its answer and the template's tail; never over the target's own context."""
+    its answer and the template's tail (an answer whose text re-encodes longer is cut to fit:
+    `regenerate.fitting_answer`); never over the target's own context. A `max_model_len` in `vllm_engine_args`
+    is the engine's, so regeneration sizes its answers by it."""
     from eaglekit.vllm.regenerate import TEMPLATE_TAIL
     from eaglekit.targets.capture import text_config
 
     context = int(getattr(text_config(target_config), "max_position_embeddings", 0) or 1 << 30)
     if config.regenerate:
+        given = engine_options(config).engine_args.get("max_model_len")
+        if given:
+            return int(given)
         return min(context, max(prompts, default=1) + config.max_new_tokens + TEMPLATE_TAIL)
     longest = max((len(r.input_ids) for r in records), default=1)
     if longest + 1 > context:
@@ -184,7 +189,8 @@ def capture_store(config: Any) -> tuple[Path, dict[str, Any]]:
                  seconds=round(counters.seconds, 2), engine_startup_seconds=round(counters.engine_startup_seconds, 2),
                  tokens_per_second=round(counters.tokens / max(counters.seconds, 1e-9), 1))
     if config.regenerate:
-        stats.update(generated_tokens=counters.generated_tokens, finish_reasons=counters.finish_reasons)
+        stats.update(generated_tokens=counters.generated_tokens, finish_reasons=counters.finish_reasons,
+                     answers_cut_to_fit_context=counters.answers_cut)
     architecture = (getattr(target_config, "architectures", None) or ["unknown"])[0]
     lib.write_manifest_for(out, target_config, architecture, "vllm", layout, identity,
                            {"target": config.target, "world_size": 1, "data": list(config.data), "stats": stats,

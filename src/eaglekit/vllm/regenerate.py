@@ -66,6 +66,55 @@ def answered(regeneration: Regeneration, prompt: Any, output: list[int]) -> tupl
     return Conversation(prompt.id, (*prompt.messages, Message("assistant", text))), reason
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A generated answer as it is stored: the answered conversation, its record, and how the answer ended."""
+
+    conversation: Any
+    tokenized: Any  # eaglekit.data.TokenizedRecord of `conversation`
+    reason: str  # "stop" | "length"
+    dropped: int  # answer tokens cut so that the record fits the engine's context
+
+
+def fitting_answer(regeneration: Regeneration, prompt: Any, output: list[int]) -> Answer:
+    """The answered conversation and the record `tokenize_conversation` makes of it; when the record and the
+    capture's one sampled token do not fit the engine's context, the answer is cut to its longest prefix whose
+    record does (finish reason "length").
+
+    The record is the answered text re-tokenised, as `regen` + `extract` store it, not the generated ids; decoded
+    text may re-encode to more tokens than were generated (a token that is part of a UTF-8 character decodes to
+    U+FFFD, which can take three tokens), which the template's tail allowance does not always cover.
+    """
+    from eaglekit.data import tokenize_conversation
+
+    def make(ids: list[int]) -> tuple[Any, str, Any]:
+        conversation, reason = answered(regeneration, prompt, ids)
+        tokenized = tokenize_conversation(regeneration.tokenizer, conversation, regeneration.max_length,
+                                          regeneration.chat_template or None)
+        return conversation, reason, tokenized
+
+    def fits(tokenized: Any) -> bool:
+        return len(tokenized.input_ids) + 1 <= regeneration.context
+
+    conversation, reason, tokenized = make(output)
+    ids = output[: next((i for i, token in enumerate(output) if token in regeneration.eos_ids), len(output))]
+    kept = len(ids)
+    if not fits(tokenized):  # the longest answer prefix whose record fits (bisection)
+        low, high = 0, len(ids) - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(make(ids[:middle])[2]) else (low, middle - 1)
+        kept = low
+        conversation, _, tokenized = make(ids[:kept])
+        reason = "length"
+    if not fits(tokenized):
+        raise EaglekitError(f"record {prompt.id} has {len(tokenized.input_ids)} tokens without its answer, more "
+                            f"than vLLM's {regeneration.context}-token context holds (the chat template adds more "
+                            f"than {TEMPLATE_TAIL} tokens after an answer); pass vllm_engine_args='{{\"max_model_len"
+                            f"\": {len(tokenized.input_ids) + 1 + regeneration.max_new_tokens}}}'")
+    return Answer(conversation, tokenized, reason, len(ids) - kept)
+
+
 def conversation_line(conversation: Any, meta: dict[str, Any]) -> dict[str, Any]:
     from eaglekit.data.tokenize import template_messages
 
@@ -80,7 +129,6 @@ def regenerate_records(session: EngineSession, conversations: list[Any], regener
     `tokenize_conversation` makes from the answered conversation (request ids 2i and 2i + 1)."""
     import torch
 
-    from eaglekit.data import tokenize_conversation
     from eaglekit.targets.extract import Record
     from eaglekit.generation.regen import record_seed
 
@@ -115,18 +163,20 @@ def regenerate_records(session: EngineSession, conversations: list[Any], regener
             advice = engine_error(event["error"], session.target, session.engine)
             raise EaglekitError(f"vLLM refused record {prompts[i].id}: {advice}")
         if not capture:
-            conversation, reason = answered(regeneration, prompts[i], event["output"])
+            answer = fitting_answer(regeneration, prompts[i], event["output"])
             counters.generated_tokens += len(event["output"])
-            counters.finish_reasons[reason] = counters.finish_reasons.get(reason, 0) + 1
-            tokenized = tokenize_conversation(regeneration.tokenizer, conversation, regeneration.max_length,
-                                              regeneration.chat_template or None)
+            counters.finish_reasons[answer.reason] = counters.finish_reasons.get(answer.reason, 0) + 1
+            counters.answers_cut += answer.dropped > 0
+            tokenized = answer.tokenized
             if not any(tokenized.loss_mask):  # an empty answer: nothing to learn, as extract skips it
                 finish()
                 continue
-            record = Record(conversation.id, torch.tensor(tokenized.input_ids, dtype=torch.long),
+            record = Record(answer.conversation.id, torch.tensor(tokenized.input_ids, dtype=torch.long),
                             torch.tensor(tokenized.loss_mask, dtype=torch.uint8))
-            meta = {"backend": "vllm", "finish_reason": reason, "completion_tokens": len(event["output"])}
-            records[i] = (record, conversation_line(conversation, meta))
+            meta = {"backend": "vllm", "finish_reason": answer.reason, "completion_tokens": len(event["output"])}
+            if answer.dropped:
+                meta["tokens_cut_to_fit_context"] = answer.dropped
+            records[i] = (record, conversation_line(answer.conversation, meta))
             session.send({"id": 2 * i + 1, "prompt": tokenized.input_ids, "max_tokens": 1, "save": True})
             continue
         record, line = records.pop(i)

@@ -49,7 +49,8 @@ def qwen3_fields(config: DFlashConfig) -> dict[str, Any]:
 
 def engine_config(config: DFlashConfig, fmt: str, dtype: str) -> dict[str, Any]:
     """config.json of `fmt` for `config`."""
-    marker = {"target_name_or_path": config.target_name_or_path, "target_architecture": config.target_architecture}
+    marker = {"target_name_or_path": config.target_name_or_path, "target_architecture": config.target_architecture,
+              "target_weights_hash": config.target_weights_hash}
     if fmt == "speculators":
         return {"architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "dflash",
                 "transformer_layer_config": qwen3_fields(config), "draft_vocab_size": config.draft_vocab_size,
@@ -161,6 +162,7 @@ def shape_fields(layer: dict[str, Any], data: dict[str, Any], source: Path) -> d
         hidden_act=str(layer.get("hidden_act", "silu")),
         target_name_or_path=str(marker.get("target_name_or_path", "")),
         target_architecture=str(marker.get("target_architecture", "")),
+        target_weights_hash=str(marker.get("target_weights_hash", "")),
         target_num_layers=int(data.get("num_target_layers") or 0))
 
 

@@ -72,6 +72,7 @@ class DFlashConfig:
     target_name_or_path: str = ""
     target_architecture: str = ""
     target_num_layers: int = 0
+    target_weights_hash: str = ""  # eaglekit.targets.identity.target_weights_hash of the target it was trained on
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size > self.vocab_size:

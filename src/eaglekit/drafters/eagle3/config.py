@@ -46,6 +46,7 @@ class DrafterConfig:
     target_name_or_path: str = ""
     target_architecture: str = ""
     target_num_layers: int = 0
+    target_weights_hash: str = ""  # eaglekit.targets.identity.target_weights_hash of the target it was trained on
     # "eagle3", or "p-eagle" (eaglekit.drafters.p_eagle.train): parallel drafting, a learned `mask_hidden`
     # (1, n_aux*H_target)
     # and `mask_token_id` (the parallel-drafting token) at every drafted position after the first

@@ -24,6 +24,9 @@ from eaglekit.drafters.eagle3 import formats, mla_format
 from eaglekit.targets.capture import engine_aux_layers, to_input_convention
 
 log = logging.getLogger(__name__)
+# warnings about a drafter's aux layers logged by this process: `eaglekit run` exports one drafter in every format,
+# and the warning, the same for each, is said once (each export's summary still lists it)
+LOGGED_WARNINGS: set[str] = set()
 
 
 # --- probe ----------------------------------------------------------------------------------
@@ -98,7 +101,9 @@ def export_drafter(drafter: Eagle3Drafter, output: str | Path, fmt: str, dtype: 
         warnings.append(f"aux layers {input_ids} are not the engine default "
                         f"{list(engine_aux_layers(config.target_num_layers))}: engine releases that ignore the "
                         "drafter's explicit ids (vLLM 0.11, see `eaglekit doctor`) will feed it other layers")
-        log.warning(warnings[-1])
+        if warnings[-1] not in LOGGED_WARNINGS:
+            LOGGED_WARNINGS.add(warnings[-1])
+            log.warning(warnings[-1])
     return {"warnings": warnings, "format": fmt, "output": str(output), "tensors": sorted(state),
             "config_aux_layer_ids": _written_ids(data),
             "aux_layer_ids_input_of_layer": input_ids, "max_logit_difference": difference,
@@ -192,6 +197,7 @@ def drafter_config_from(data: dict[str, Any], layout: str, from_format: str = "a
             target_name_or_path=marker.get("target_name_or_path") or verifier.get("name_or_path") or "",
             target_architecture=marker.get("target_architecture") or (verifier.get("architectures") or [""])[0],
             target_num_layers=int(target_num_layers or marker.get("target_num_layers") or 0),
+            target_weights_hash=str(marker.get("target_weights_hash") or ""),
             **variant_flags(data), **mla_format.drafter_fields(data),
         )
     except KeyError as error:

@@ -153,7 +153,7 @@ def engine_config(config: DrafterConfig, fmt: str, dtype: str, speculative_token
     engine_ids = list(from_input_convention(tuple(input_ids), CONVENTION[fmt]))
     marker = {"format": fmt, "aux_layer_convention": CONVENTION[fmt], "aux_layer_ids_input_of_layer": input_ids,
               "target_num_layers": config.target_num_layers, "target_name_or_path": config.target_name_or_path,
-              "target_architecture": config.target_architecture}
+              "target_architecture": config.target_architecture, "target_weights_hash": config.target_weights_hash}
     parallel = config.drafter_type == "p-eagle"
     if fmt == "speculators":
         verifier = {"name_or_path": verifier_path(config.target_name_or_path),
