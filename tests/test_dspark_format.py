@@ -21,7 +21,7 @@ from test_dspark_train import tiny_dspark
 
 
 def test_vllm_layout_holds_what_vllm_reads(tmp_path):
-    drafter = tiny_dspark(confidence_temperatures=(1.2, 1.4, 1.6, 1.8))
+    drafter = tiny_dspark(confidence_temperatures=(1.2, 1.4, 1.6, 1.8), target_weights_hash="ab12")
     summary = export_dspark(drafter, tmp_path / "vllm", "vllm")
     data = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert data["architectures"] == ["Qwen3DSparkModel"] and data["model_type"] == "qwen3"
@@ -38,6 +38,7 @@ def test_vllm_layout_holds_what_vllm_reads(tmp_path):
     assert summary["max_logit_difference"] == 0.0 and summary["max_drafts"] == 4
     again = import_dspark(tmp_path / "vllm")
     assert again.config.confidence_temperatures == drafter.config.confidence_temperatures  # eaglekit's calibration
+    assert again.config.target_weights_hash == "ab12"  # the target it was trained on
 
 
 @pytest.mark.parametrize("heads", [{"markov_head_type": "gated"}, {"markov_head_type": "rnn"},

@@ -59,7 +59,7 @@ def check_exportable(config: DSparkConfig, fmt: str) -> None:
 def engine_config(config: DSparkConfig, fmt: str, dtype: str) -> dict[str, Any]:
     """config.json of `fmt` for `config` (eaglekit's calibration rides along under `eaglekit`)."""
     marker = {"target_name_or_path": config.target_name_or_path, "target_architecture": config.target_architecture,
-              "confidence_temperatures": list(config.confidence_temperatures)}
+              "target_weights_hash": config.target_weights_hash, "confidence_temperatures": list(config.confidence_temperatures)}
     layer = {**qwen3_fields(config), "layer_types": ["full_attention"] * config.num_hidden_layers}
     heads = {"markov_rank": config.markov_rank, "markov_head_type": config.markov_head_type,
              "enable_confidence_head": config.confidence_head,
