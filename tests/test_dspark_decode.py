@@ -92,6 +92,7 @@ def test_static_fused_steps_equal_eager_ones(temperature: float) -> None:
             eager = Decoder(target, drafter).generate(prompt, 16, **options)
             fast = static.generate(prompt, 16, **options)
             assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted)
+            assert fast.stats.verified == eager.stats.verified  # the drafts each step verified (none: a cut-less run)
             deepest = max(deepest, *fast.stats.accepted)
     assert deepest >= (2 if temperature > 0 else 0)
     assert isinstance(next(iter(static._drafters.values())), StaticDSparkDrafter)

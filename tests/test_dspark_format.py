@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglekit.config import load_config
+from eaglekit.drafters.dflash.formats import export_dflash
 from eaglekit.drafters.dspark.formats import export_dspark, import_dspark
 from eaglekit.drafters.dspark.model import DSparkDrafter
 from eaglekit.errors import EaglekitError
@@ -80,13 +81,14 @@ def test_a_deepspec_dflash_checkpoint_reads_as_dspark_without_heads(tmp_path):
         import_dspark(tmp_path / "deepspec")
 
 
-def test_export_and_import_stages(tmp_path, chat_target):
+def chat_dspark(chat_target: str, output) -> DSparkDrafter:
+    """A random DSpark drafter shaped for the chat target (its hidden size, vocabulary, embedding and lm_head), saved
+    into `output`."""
     from eaglekit.targets.loading import load_target
 
     target = load_target(chat_target)
     c = target.config
     drafter = tiny_dspark(vocab=c.vocab_size, draft_vocab=c.vocab_size)
-    # shaped for the chat target: its hidden size and vocabulary
     drafter = DSparkDrafter(type(drafter.config).from_dict({
         **drafter.config.to_dict(), "hidden_size": c.hidden_size, "target_hidden_size": c.hidden_size,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
@@ -95,7 +97,12 @@ def test_export_and_import_stages(tmp_path, chat_target):
     drafter.set_vocab_mapping(torch.arange(c.vocab_size))
     drafter.load_target_embedding(target.get_input_embeddings().weight.detach())
     drafter.load_target_lm_head(target.get_output_embeddings().weight.detach())
-    drafter.save_pretrained(tmp_path / "drafter")
+    drafter.save_pretrained(output)
+    return drafter
+
+
+def test_export_and_import_stages(tmp_path, chat_target):
+    drafter = chat_dspark(chat_target, tmp_path / "drafter")
     with pytest.raises(EaglekitError, match="dspark drafter: it exports --to vllm or --to speculators"):
         export_stage.run(load_config(export_stage.Config, None, [f"drafter={tmp_path / 'drafter'}", "to=sglang"]))
     summary = export_stage.run(load_config(export_stage.Config, None, [
@@ -116,3 +123,38 @@ def test_export_and_import_stages(tmp_path, chat_target):
     assert torch.equal(imported.markov_head.markov_w2.weight, drafter.markov_head.markov_w2.weight)
     # train init_from reads the engine layout directly (formats.saved.load_drafter)
     assert isinstance(load_drafter(tmp_path / "imported"), DSparkDrafter)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_the_serve_command_names_each_types_method_and_drafts(fmt, tmp_path):
+    """The run report's (and `eaglekit export`'s) vLLM command serves each export with its own type's method and
+    draft count: DSpark drafts from every slot of its block, DFlash block_size - 1."""
+    from eaglekit.report import launch_commands
+    from test_dflash_format import drafter as tiny_dflash
+
+    export_dspark(tiny_dspark(), tmp_path / "dspark", fmt)
+    export_dflash(tiny_dflash(), tmp_path / "dflash", fmt)
+    block = json.loads((tmp_path / "dflash" / "config.json").read_text())["block_size"]
+    for name, method, drafts in (("dspark", "dspark", 4), ("dflash", "dflash", block - 1)):
+        command = launch_commands("MODEL", str(tmp_path / name), fmt)[-1]
+        assert f'"method": "{method}"' in command and f'"num_speculative_tokens": {drafts}' in command, command
+
+
+def test_generate_and_serve_cut_by_confidence(tmp_path, chat_target):
+    """`eaglekit generate` and `eaglekit serve` take method=dspark with its chain_length and verify_threshold: the
+    same greedy text as plain decoding, the drafts verified per step reported."""
+    from eaglekit.stages import generate, serve
+
+    chat_dspark(chat_target, tmp_path / "drafter")
+    common = [f"target={chat_target}", "prompt=what is two plus two", "max_new_tokens=12", "device=cpu"]
+    plain = generate.run(load_config(generate.Config, None, [*common, "method=plain"]))
+    cut = generate.run(load_config(generate.Config, None, [*common, f"drafter={tmp_path / 'drafter'}",
+                                                           "method=dspark", "chain_length=4",
+                                                           "verify_threshold=0.5"]))
+    assert cut["tokens"] == plain["tokens"] and 0 <= cut["verified_per_step"] <= 4
+    engine = serve.build_engine(load_config(serve.Config, None, [
+        f"target={chat_target}", f"drafter={tmp_path / 'drafter'}", "method=dspark", "chain_length=3",
+        "verify_threshold=0.5", "device=cpu"]))
+    assert engine.options == {"chain_length": 3, "verify_threshold": 0.5}  # a chain method's length, not a tree's
+    served = engine.generate(plain["tokens"][:3], 6)
+    assert served.stats["tau"] >= 1 and "verified_per_step" in engine.metrics()

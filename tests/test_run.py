@@ -124,10 +124,11 @@ def test_drafter_types_train_on_one_store_and_are_benched_side_by_side(chat_targ
 
     out = tmp_path / "run"
     config = tiny_run(chat_target, run_prompts, out, stages=["regen", "extract", "vocab", "train", "bench"],
-                      drafter_types=["eagle3", "p-eagle", "dflash"], train__block_size=4, train__draft_layers=1)
+                      drafter_types=["eagle3", "p-eagle", "dflash", "dspark"], train__block_size=4,
+                      train__draft_layers=1)
     steps = {s.name: s for s in plan(config)}
-    assert list(steps) == ["regen", "extract", "vocab", "train", "train-p-eagle", "train-dflash", "bench",
-                           "bench-p-eagle", "bench-dflash"]
+    assert list(steps) == ["regen", "extract", "vocab", "train", "train-p-eagle", "train-dflash", "train-dspark",
+                           "bench", "bench-p-eagle", "bench-dflash", "bench-dspark"]
     peagle, dflash = steps["train-p-eagle"].make_config(), steps["train-dflash"].make_config()
     assert (peagle.drafter_type, peagle.init_from, steps["train-p-eagle"].after) == (
         "p-eagle", str(out / "train"), ("extract", "vocab", "train"))
@@ -138,17 +139,20 @@ def test_drafter_types_train_on_one_store_and_are_benched_side_by_side(chat_targ
         ("dflash",), 2)  # bench.chain_length is set here; left at its default, DFlash drafts the whole block:
     unset = dataclasses.replace(config, bench=dataclasses.replace(config.bench, chain_length=Config().bench.chain_length))
     assert {s.name: s for s in plan(unset)}["bench-dflash"].make_config().chain_length == 3  # block_size - 1
+    assert {s.name: s for s in plan(unset)}["bench-dspark"].make_config().chain_length == 4  # every slot drafts
 
     assert set(statuses(run_stage.run(config)).values()) == {"ran"}
     kinds = [kind for kind, _ in collect(out)["drafter_types"]]
-    assert kinds == ["eagle3", "p-eagle", "dflash"]
+    assert kinds == ["eagle3", "p-eagle", "dflash", "dspark"]
     report = (out / "report.md").read_text()
     assert "### Drafter types side by side" in report
     for row in ("| eagle3 | chain | 2 | 0 |", "| p-eagle | parallel | 2 | 0 |", "| p-eagle | tree | tree ",
-                "| dflash | dflash | 2 | 0 |"):
+                "| dflash | dflash | 2 | 0 |", "| dspark | dspark | 2 | 0 |"):
         assert row in report, row
+    assert "### Confidence (DSpark)" in report and "`train-dspark/`: confidence calibrated on" in report
+    assert "| position | blocks | survived | temperature | ECE raw | ECE | AUC raw | AUC |" in report
     assert set(statuses(run_stage.run(config)).values()) == {"skipped"}
-    with pytest.raises(EaglekitError, match="name each of eagle3, p-eagle, dflash at most once"):
+    with pytest.raises(EaglekitError, match="name each of eagle3, p-eagle, dflash, dspark at most once"):
         plan(tiny_run(chat_target, run_prompts, tmp_path / "x", drafter_types=["eagle3", "eagle3"]))
     with pytest.raises(EaglekitError, match="drop train.drafter_type"):
         plan(tiny_run(chat_target, run_prompts, tmp_path / "x", drafter_types=["eagle3", "dflash"],

@@ -96,7 +96,7 @@ def test_train_logs_progress_and_max_steps_wins_over_epochs(chat_target, data, t
     assert "max_steps=7 decides (epochs=1 is ignored)" in stderr
     assert "the validation split holds 2 record(s) (val_fraction=0.2 of 12)" in stderr  # figures of 2 records: noise
     assert "resume=true but" not in stderr  # a fresh run has nothing to resume: nothing to say
-    assert "step 2/7 (epoch 1)" in stderr and "acc@1" in stderr and "tokens/s, ETA" in stderr
+    assert "step 2/7 (epoch 1, " in stderr and "acc@1" in stderr and "tokens/s, ETA" in stderr
     assert json.loads((tmp_path / "t" / "manifest.json").read_text())["steps"] == 7
     line = in_process(capsys, "train", f"target={chat_target}", f"data={data}", "output=x", "aux_layers=1,2,3")
     assert "'aux_layers' is now called 'aux_layer_ids'" in line

@@ -23,6 +23,8 @@ from typing import Any
 
 from eaglekit.errors import EaglekitError
 
+SERVED_DRAFTS = 3  # vLLM's and SGLang's usual EAGLE-3 chain length, in the serve commands eaglekit prints
+
 TYPES = {  # drafter_type -> the package of its folder (its `TYPE`)
     "eagle3": "eaglekit.drafters.eagle3",
     "p-eagle": "eaglekit.drafters.p_eagle",
@@ -103,6 +105,13 @@ class DrafterType:
     def export_note(self, summary: dict[str, Any], source: Path, output: Path) -> str:
         """What `eaglekit export` prints of the export of `source` into `output` (`summary`: `export`'s)."""
         return f"exported {source} -> {output} ({summary['format']}); re-import matched the source logits"
+
+    def vllm_speculative_config(self, checkpoint: dict[str, Any], model: str) -> dict[str, Any]:
+        """vLLM's `--speculative-config` that serves this type's export at `model` (`checkpoint`: its config.json);
+        {} for a type vLLM does not serve. Chain drafters draft SERVED_DRAFTS tokens, what vLLM serves EAGLE-3 with."""
+        if not self.vllm_method:
+            return {}
+        return {"method": self.vllm_method, "model": model, "num_speculative_tokens": SERVED_DRAFTS}
 
     def is_checkpoint(self, data: dict[str, Any]) -> bool:
         """True when a checkpoint's config.json (any layout) holds a drafter of this type."""

@@ -15,6 +15,8 @@ METHODS = ("plain", *registry.method_names())  # plain, and every drafter type's
 # methods that draft a chain of `chain_length` tokens (EAGLE-3 one forward per token, P-EAGLE's and DFlash's all of
 # them in one drafter forward); the others grow a tree
 CHAIN_METHODS = registry.chain_method_names()
+VERIFY_THRESHOLD = ("a drafter with a confidence head (dspark): verify only the leading drafts whose calibrated "
+                    "survival (the product of their confidences) is at least this; 0 = every draft. Lossless")
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ class TrainConfig:
     block_size: int = option(0, "dflash, dspark: tokens per block, the bonus token then mask tokens (dflash serves "
                              "k <= block_size - 1 drafts, dspark k <= block_size); 0 = init_from's, else the type's "
                              "published default: dflash 16, dspark 7", check=BLOCK_SIZE)
-    draft_layers: int = option(5, "dflash, dspark: decoder layers of a fresh drafter (the published 8B drafters: 5)", min=1)
+    draft_layers: int = option(5, "dflash, dspark: decoder layers of a fresh drafter (the published 8B drafters: 5)",
+                               min=1)
     target_layer_ids: tuple[int, ...] = option((), "dflash, dspark: target layers whose states are the drafter's "
                                                "context, "
                                                "OUTPUT-of-layer ids (vLLM's DFlash convention; extract them with "
@@ -96,7 +97,8 @@ class TrainConfig:
     sample_from_anchor: bool = option(True, "dspark: every block slot drafts (the anchor's slot drafts the next "
                                       "token: DeepSpec's layout); false: DFlash's fill-in layout")
     epochs: int = option(1, "passes over the training split", min=1)
-    max_steps: int = option(0, "optimizer steps to run, over as many epochs as that takes (0 = `epochs` decides)", min=0)
+    max_steps: int = option(0, "optimizer steps to run, over as many epochs as that takes (0 = `epochs` decides)",
+                            min=0)
     batch_size: int = option(4, "sequences per micro-batch per process", min=1)
     grad_accum: int = option(1, "micro-batches per optimizer step", min=1)
     max_length: int = option(2048, "tokens per sequence (longer ones are truncated)", min=1)

@@ -46,8 +46,8 @@ class DecodeStats:
     decode_seconds: float = 0.0
     target_forwards: int = 0
     discarded_steps: int = 0  # fused loop: steps launched ahead whose tokens came after the end (their time counts)
-    # the eager loop, a drafter with a confidence head: each step's drafts verified (a confidence cut) and the
-    # calibrated survival of each draft's prefix
+    # a confidence cut (`verify_threshold`): each step's drafts verified; the eager loop also keeps the calibrated
+    # survival of each draft's prefix (a drafter with a confidence head)
     verified: list[int] = field(default_factory=list)
     survival: list[list[float]] = field(default_factory=list)
 

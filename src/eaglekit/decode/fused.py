@@ -96,7 +96,7 @@ class FusedStep:
                                     target.compile)
         if target.compile:
             graphs.static_buffers(self.state)
-        self._host = [torch.zeros(self.path + 1, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
+        self._host = [torch.zeros(self.path + 2, dtype=torch.long, pin_memory=param.is_cuda) for _ in range(2)]
         self._draw_shapes = self.draw_shapes(self.options, self.nodes, net.config.draft_vocab_size, method.at_once)
 
     @staticmethod
@@ -116,8 +116,9 @@ class FusedStep:
         return [(1, draft_vocab)] + [(k, draft_vocab)] * (options.depth - 1) + [(nodes, k), (nodes, 1)]
 
     def _step(self, *draws: torch.Tensor, options: DecodeOptions, vocab_size: int) -> torch.Tensor:
-        """One step on the state -> (1 + path,): the path length c, then the step's new tokens (the c - 1
-        accepted drafts and the bonus) padded to the longest path. `draws`: the step's uniforms (sampling)."""
+        """One step on the state -> (2 + path,): the path length c, the drafts verified (-1: every one), then the
+        step's new tokens (the c - 1 accepted drafts and the bonus) padded to the longest path. `draws`: the step's
+        uniforms (sampling)."""
         state, target, drafter = self.state, self.target, self.drafter
         m = state.length
         source = PreDrawn(draws)
@@ -159,7 +160,8 @@ class FusedStep:
         state.logits.copy_(draft_logits.index_select(0, last)[0])
         state.token.copy_(bonus[0])
         state.length.copy_(m + count)
-        return torch.cat([count.reshape(1), new_tokens])
+        verified = tree.limit.reshape(1) if tree.limit is not None else torch.full_like(count.reshape(1), -1)
+        return torch.cat([count.reshape(1), verified.to(new_tokens.dtype), new_tokens])
 
     def run(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, root_token: torch.Tensor, length: int,
             out, stats: DecodeStats, generator: torch.Generator | None = None, read_first=None) -> None:
@@ -197,11 +199,13 @@ class FusedStep:
             if event is not None:
                 event.synchronize()
             values = host.tolist()
-            count = values[0]
+            count, verified = values[0], values[1]
             stats.accepted.append(count - 1)
+            if verified >= 0:
+                stats.verified.append(verified)
             stats.target_forwards += 1
             confirmed += count
-            done = out.add(values[1 : 1 + count])
+            done = out.add(values[2 : 2 + count])
         for _, event in queued:  # the step queued after the last one: its time counts, its tokens do not
             if event is not None:
                 event.synchronize()

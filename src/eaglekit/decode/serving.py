@@ -61,6 +61,7 @@ class SpeculativeEngine:
                                            temperature=temperature, top_p=top_p, seed=seed or 0,
                                            eos_token_ids=tuple(self.base.eos_ids), **self.options)
             self.total.accepted.extend(result.stats.accepted)
+            self.total.verified.extend(result.stats.verified)
             self.requests += 1
         ids = [t for t in result.tokens if t not in self.base.eos_ids]
         stats = {"tau": result.stats.tau, "acceptance_per_position": result.stats.acceptance_per_position()}
@@ -74,4 +75,6 @@ class SpeculativeEngine:
         with self._lock:
             return {"engine": "eaglekit-speculative", "method": self.method, "requests": self.requests,
                     "verify_steps": len(self.total.accepted), "tau": self.total.tau,
-                    "acceptance_per_position": self.total.acceptance_per_position()}
+                    "acceptance_per_position": self.total.acceptance_per_position(),
+                    **({"verified_per_step": sum(self.total.verified) / len(self.total.verified)}
+                       if self.total.verified else {})}

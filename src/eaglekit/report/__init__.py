@@ -19,10 +19,10 @@ from typing import Any
 
 from eaglekit.manifest import atomic_write_text, read_manifest
 from eaglekit.report.plots import plot_acceptance, plot_training
+from eaglekit.report import confidence
 
 log = logging.getLogger(__name__)
 
-SPECULATIVE_TOKENS = 3  # chain length in the engine commands: what vLLM and SGLang serve EAGLE-3 with by default
 TRAINING_PLOT, ACCEPTANCE_PLOT = "report-training.png", "report-acceptance.png"
 
 
@@ -111,6 +111,7 @@ def collect(out: str | Path) -> dict[str, Any]:
     if not extract and info["train"] and info["train"].get("mode") == "online":
         info["extract"] = _online_data_stats(out, info["train"])
     info["metrics"] = read_metrics(out / "train" / "metrics.jsonl")
+    info["calibration"] = confidence.calibrations(out)
     info["bench"] = _json(out / "bench" / "bench.json") if read_manifest(out / "bench") else None
     order = (info["run"].get("config") or {}).get("export_formats") or []
     folders = sorted((d for d in (out / "export").glob("*") if d.is_dir() and not d.name.endswith(".old")),
@@ -385,22 +386,24 @@ def _served_target(info: dict[str, Any]) -> str:
     return str(Path(target).resolve()) if Path(target).exists() else target
 
 
-def _parallel_drafting(drafter: str) -> dict[str, bool]:
-    """{"parallel_drafting": True} for a P-EAGLE export (vLLM's layout marks it, speculators' is type peagle), else
-    {}."""
+def served_by_vllm(drafter: str) -> dict[str, Any]:
+    """vLLM's --speculative-config for the export in folder `drafter`, from its drafter type (an EAGLE-3 drafter's
+    where the folder is not there to read)."""
+    from eaglekit import registry
+
     path = Path(drafter) / "config.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    parallel = data.get("parallel_drafting") or data.get("speculators_model_type") == "peagle"
-    return {"parallel_drafting": True} if parallel else {}
+    kind = registry.checkpoint_type(data) or registry.get("eagle3")
+    return kind.vllm_speculative_config(data, drafter)
 
 
 def launch_commands(target: str, drafter: str, fmt: str, trust_remote_code: bool = False) -> list[str]:
     """The exact command that serves `target` with the exported drafter in `fmt`'s engine."""
-    steps = SPECULATIVE_TOKENS
+    from eaglekit.registry import SERVED_DRAFTS as steps
+
     trust = " --trust-remote-code" if trust_remote_code else ""
     if fmt == "vllm":
-        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps,
-                           **_parallel_drafting(drafter)})
+        spec = json.dumps(served_by_vllm(drafter))
         return [f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
     if fmt == "sglang":
         return [f"python -m sglang.launch_server --model-path {shlex.quote(target)}{trust} "
@@ -408,8 +411,7 @@ def launch_commands(target: str, drafter: str, fmt: str, trust_remote_code: bool
                 f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
                 f"--speculative-num-draft-tokens {steps + 1}"]
     if fmt == "speculators":  # the checkpoint names its verifier; the long form names the target explicitly
-        spec = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": steps,
-                           **_parallel_drafting(drafter)})
+        spec = json.dumps(served_by_vllm(drafter))
         return [f"vllm serve {shlex.quote(drafter)}{trust}",
                 f"vllm serve {shlex.quote(target)}{trust} --speculative-config {shlex.quote(spec)}"]
     return []
@@ -474,7 +476,8 @@ def write_report(out: str | Path) -> Report:
 
     lines = _section_steps(info) + ["", f"**Headline:** {headline_text(numbers)}."]
     lines += [item for note in headline_notes(numbers, info, _served_target(info)) for item in ("", note)]
-    lines += _section_data(info) + _section_training(info, trained) + _section_decoding(info, accepted)
+    lines += _section_data(info) + _section_training(info, trained) + confidence.section(info)
+    lines += _section_decoding(info, accepted)
     lines += _section_served_by_vllm(info) + _section_export(info) + _section_doctor(info)
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines) + "\n")

@@ -14,7 +14,9 @@ that holds another export (another format, drafter or options) is replaced only 
 
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,9 @@ def run(config: Config) -> dict[str, Any]:
     log.info("wrote %s checkpoint of a %s drafter to %s (probe logits max diff %.3g)", config.to, kind.name, output,
              summary["max_logit_difference"])
     print(kind.export_note(summary, source, output))
+    served = kind.vllm_speculative_config(json.loads((output / "config.json").read_text()), str(output))
+    if served and config.to == "vllm":
+        print(f"serve: vllm serve TARGET --speculative-config {shlex.quote(json.dumps(served))}")
     if config.to == "vllm":  # what vLLM checks of the target when it loads the drafter, where this vLLM can be read
         from eaglekit.doctor.diagnose import vllm_serving_note
 

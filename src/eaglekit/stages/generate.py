@@ -15,7 +15,7 @@ from typing import Any
 
 from eaglekit import registry
 from eaglekit.config import option, to_dict
-from eaglekit.config.decode import METHODS, DecodeOptions
+from eaglekit.config.decode import METHODS, VERIFY_THRESHOLD, DecodeOptions
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,9 @@ class Config:
     depth: int = option(DecodeOptions.depth, "tree: draft levels", min=1)
     tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level", min=1)
     total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward", min=1)
-    chain_length: int = option(DecodeOptions.chain_length, "chain: draft tokens per target forward", min=1)
+    chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash, dspark: draft tokens per target "
+                               "forward", min=1)
+    verify_threshold: float = option(0.0, VERIFY_THRESHOLD, min=0, max=1)
     backend: str = option("auto", "auto = static fast path for Llama-family dense targets, else eager",
                           choices=("auto", "eager", "static"))
     compile: bool = option(False, "torch.compile + CUDA graphs for the static backend's fixed-shape steps (GPU only; "
@@ -79,7 +81,8 @@ def run(config: Config) -> dict[str, Any]:
                       compile=config.compile and device.type == "cuda", temperature=config.temperature,
                       top_p=config.top_p, top_k=config.top_k,
                       depth=config.depth, tree_top_k=config.tree_top_k, total_tokens=config.total_tokens,
-                      chain_length=config.chain_length, eos_token_ids=eos_ids(tokenizer, target), seed=config.seed)
+                      chain_length=config.chain_length, verify_threshold=config.verify_threshold,
+                      eos_token_ids=eos_ids(tokenizer, target), seed=config.seed)
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
     stats = result.stats.to_dict()
     seconds = stats["prefill_seconds"] + stats["decode_seconds"]
@@ -88,7 +91,8 @@ def run(config: Config) -> dict[str, Any]:
     print(text)
     rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_per_position"])
     print(f"\n[{config.method}/{backend}] {len(result.tokens)} tokens, tau {stats['tau']:.2f}, "
-          f"acceptance per position [{rates}], {report['tokens_per_second'] or 0:.1f} tokens/s")
+          f"acceptance per position [{rates}], {report['tokens_per_second'] or 0:.1f} tokens/s"
+          + (f", {stats['verified_per_step']:.2f} drafts verified per step" if "verified_per_step" in stats else ""))
     if config.output:
         atomic_write_json(config.output, {**report, "config": to_dict(config), "environment": environment()})
     return report

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eaglekit import registry
 from eaglekit.config import check_options, option
-from eaglekit.config.decode import DecodeOptions
+from eaglekit.config.decode import CHAIN_METHODS, VERIFY_THRESHOLD, DecodeOptions
 from eaglekit.errors import EaglekitError
 from eaglekit.generation.backends import HFBackend
 from eaglekit.generation.server import ChatServer, GenerationEngine
@@ -49,8 +49,9 @@ class Config:
     method: str = option("tree", "with drafter: speculative decoding method, one the drafter's type drafts with",
                          choices=registry.method_names())
     chain_length: int = option(
-        DecodeOptions.chain_length, "with drafter, method=chain: draft tokens per target forward"
-    , min=1)
+        DecodeOptions.chain_length, "with drafter, a chain method (chain, parallel, dflash, dspark): draft tokens per "
+        "target forward", min=1)
+    verify_threshold: float = option(0.0, "with drafter: " + VERIFY_THRESHOLD, min=0, max=1)
     depth: int = option(DecodeOptions.depth, "with drafter, method=tree: draft levels", min=1)
     total_tokens: int = option(
         DecodeOptions.total_tokens, "with drafter, method=tree: draft nodes verified per target forward"
@@ -74,13 +75,15 @@ def build_engine(config: Config) -> GenerationEngine:
 
     weights = next(base.model.parameters())
     drafter = load_drafter(config.drafter, base.model, weights.device, weights.dtype, config.target)
+    chain = config.method in CHAIN_METHODS
     shape = (
         {"chain_length": config.chain_length}
-        if config.method == "chain"
+        if chain
         else {"depth": config.depth, "total_tokens": config.total_tokens, "tree_top_k": config.tree_top_k}
     )
-    engine = SpeculativeEngine(base, drafter, config.method, resolve_backend("auto", base.model), **shape)
-    width = 1 + (config.chain_length if config.method == "chain" else config.total_tokens)  # draft slots per step
+    cut = {"verify_threshold": config.verify_threshold} if config.verify_threshold else {}
+    engine = SpeculativeEngine(base, drafter, config.method, resolve_backend("auto", base.model), **shape, **cut)
+    width = 1 + (config.chain_length if chain else config.total_tokens)  # draft slots per step
     engine.max_context = engine.decoder.max_length - width - 1  # the decoder's cache also holds one step's drafts
     return engine
 

@@ -64,6 +64,12 @@ class DFlashType(DrafterType):
 
         return import_for_target(source, output, options)
 
+    def vllm_speculative_config(self, checkpoint: dict[str, Any], model: str) -> dict[str, Any]:
+        from eaglekit.drafters.dflash.model import DEFAULT_BLOCK_SIZE
+
+        drafts = int(checkpoint.get("block_size") or DEFAULT_BLOCK_SIZE) - 1  # the whole block
+        return {**super().vllm_speculative_config(checkpoint, model), "num_speculative_tokens": drafts}
+
     def bench_options(self, train: Any) -> dict[str, Any]:
         from eaglekit.drafters.dflash.model import DEFAULT_BLOCK_SIZE
 

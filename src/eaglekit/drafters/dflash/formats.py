@@ -254,11 +254,7 @@ def import_for_target(source: Path, output: Path, options: Any) -> tuple[DFlashD
 
 
 def export_note(summary: dict[str, Any], source: Path, output: Path) -> str:
-    """What `eaglekit export` prints of a DFlash export, with vLLM's serve command."""
-    note = (f"exported {source} -> {output} ({summary['format']}, DFlash); target_layer_ids (output-of-layer) "
+    """What `eaglekit export` prints of a DFlash export."""
+    return (f"exported {source} -> {output} ({summary['format']}, DFlash); target_layer_ids (output-of-layer) "
             f"{summary['target_layer_ids']}, mask token {summary['mask_token_id']}, block {summary['block_size']}; "
             "re-import matched the source logits")
-    if summary["format"] == "vllm":
-        note += (f"\nserve: vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": \"{output}\", "
-                 f"\"num_speculative_tokens\": {summary['block_size'] - 1}}}'")
-    return note

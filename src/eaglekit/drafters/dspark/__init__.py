@@ -75,6 +75,13 @@ class DSparkType(DFlashType):
 
         return import_for_target(source, output, options)
 
+    def vllm_speculative_config(self, checkpoint: dict[str, Any], model: str) -> dict[str, Any]:
+        from eaglekit.drafters.dspark.model import DEFAULT_BLOCK_SIZE
+
+        block = int(checkpoint.get("block_size") or DEFAULT_BLOCK_SIZE)  # every slot drafts, the anchor's too
+        drafts = block if checkpoint.get("sample_from_anchor", True) else block - 1
+        return {**super().vllm_speculative_config(checkpoint, model), "num_speculative_tokens": drafts}
+
     def bench_options(self, train: Any) -> dict[str, Any]:
         from eaglekit.drafters.dspark.model import DEFAULT_BLOCK_SIZE
 

@@ -59,7 +59,8 @@ def check_exportable(config: DSparkConfig, fmt: str) -> None:
 def engine_config(config: DSparkConfig, fmt: str, dtype: str) -> dict[str, Any]:
     """config.json of `fmt` for `config` (eaglekit's calibration rides along under `eaglekit`)."""
     marker = {"target_name_or_path": config.target_name_or_path, "target_architecture": config.target_architecture,
-              "target_weights_hash": config.target_weights_hash, "confidence_temperatures": list(config.confidence_temperatures)}
+              "target_weights_hash": config.target_weights_hash,
+              "confidence_temperatures": list(config.confidence_temperatures)}
     layer = {**qwen3_fields(config), "layer_types": ["full_attention"] * config.num_hidden_layers}
     heads = {"markov_rank": config.markov_rank, "markov_head_type": config.markov_head_type,
              "enable_confidence_head": config.confidence_head,
@@ -134,14 +135,12 @@ def export_dspark(drafter: DSparkDrafter, output: str | Path, fmt: str = "vllm",
 
 
 def export_note(summary: dict[str, Any], source: Path, output: Path) -> str:
-    """What `eaglekit export` prints of a DSpark export, with vLLM's serve command (vLLM's GPU runner serves it)."""
+    """What `eaglekit export` prints of a DSpark export."""
     note = (f"exported {source} -> {output} ({summary['format']}, DSpark, {summary['markov_head_type']} Markov head "
             f"of rank {summary['markov_rank']}); target_layer_ids (output-of-layer) {summary['target_layer_ids']}, "
             f"block {summary['block_size']}; re-import matched the source logits and confidences")
     if summary["format"] == "vllm":
-        note += (f"\nserve (vLLM's GPU runner; its CPU build does not run DSpark): vllm serve TARGET "
-                 f"--speculative-config '{{\"method\": \"dspark\", \"model\": \"{output}\", "
-                 f"\"num_speculative_tokens\": {summary['max_drafts']}}}'")
+        note += "\nvLLM's GPU model runner serves it; vLLM's CPU build does not run DSpark"
     return note
 
 

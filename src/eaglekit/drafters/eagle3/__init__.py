@@ -49,6 +49,12 @@ class Eagle3Type(DrafterType):
 
         return export_note(summary, source, output)
 
+    def vllm_speculative_config(self, checkpoint: dict[str, Any], model: str) -> dict[str, Any]:
+        """EAGLE-3's layouts hold P-EAGLE drafters too: vLLM's layout marks them, speculators' names type peagle."""
+        parallel = checkpoint.get("parallel_drafting") or checkpoint.get("speculators_model_type") == "peagle"
+        served = super().vllm_speculative_config(checkpoint, model)
+        return {**served, "parallel_drafting": True} if parallel else served
+
     def is_checkpoint(self, data: dict[str, Any]) -> bool:
         from eaglekit.drafters.eagle3.formats import is_eagle3_checkpoint
 
