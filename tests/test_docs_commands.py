@@ -33,7 +33,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SOURCE = ROOT / "src" / "eaglekit"
 PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|…|(^|/)path/to\b|\$|^[A-Z][A-Z0-9_/]*$|^\{|^[A-Z]+=")
 INLINE = re.compile(r"`((?:torchrun [^`]*?-m )?eaglekit [a-z][^`]*)`")
-OUTPUT_KEYS = ("output", "out", "fix_output")
+OUTPUT_KEYS = ("output", "out", "fix_output", "coverage")
 HUB_KEYS = ("target", "init_from", "drafter", "tokenizer", "source", "assistant")
 SHIPPED_LOOKING = re.compile(r"^tiny")
 CHEAP_STAGES = ("inspect", "doctor")

@@ -212,7 +212,7 @@ def test_cli_json_and_fix(tmp_path, capsys):
     code = main(["doctor", "--engine", "vllm", "--target", config, "--engine_source", str(VLLM_TREE), "--json",
                  "installed_plugins=false"])
     report = json.loads(capsys.readouterr().out)
-    assert code == 0 and report["verdict"] == "not supported"
+    assert code == 3 and report["verdict"] == "not supported"  # the verdict is the exit status (0 only if supported)
     out = tmp_path / "plugins"
     assert main(["doctor", "--engine", "vllm", "--target", config, "--engine_source", str(VLLM_TREE), "--fix",
                  "--fix_output", str(out), "installed_plugins=false"]) == 0

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         stage = load_stage(name)
         config_path, overrides = split_args(rest, getattr(stage, "POSITIONAL", ()), flag_keys(stage.Config))
         config = load_config(stage.Config, config_path, overrides)
-        stage.run(config)
+        result = stage.run(config)
+        code = stage.exit_code(result) if hasattr(stage, "exit_code") else 0  # a verdict as the status (doctor)
     except EaglekitError as error:
         print(f"eaglekit {name}: error: {error}", file=sys.stderr)
         return 1
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             f"eaglekit {name}: interrupted; finished work is kept, re-run the same command to continue", file=sys.stderr
         )
         return 130
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ drafters and options. `check_steps(steps, ...)` asks, for every step of the plan
 from the target's config.json and the stages' resolved configs (no weights loaded, nothing written), and raises
 the first refusal as one `EaglekitError` naming the stage and the fix:
 
+- extract with `capture=vllm` (backend=vllm): an installed vLLM of the tested version that the doctor does not call
+  "not supported" for capturing from the target, and whose build's attention takes the target's head size
+  (`vllm.support.check_captured`): checked before regen, the run's first stage;
 - bench: its own option checks (methods, drafter, repeats, ...), a readable prompt file with conversations, a
   target that speculative decoding can run (`decode.windows.check_speculative`: full and sliding-window attention
   layers only) when it measures chain or tree, the static fast path's coverage with `backend=static`, and with
-  `engine=vllm` an installed vLLM of the tested version that the doctor does not call "not supported" for the
-  target (`vllm.bench.check_served`);
+  `engine=vllm` an installed vLLM of the tested version that the doctor does not call "not supported" for serving
+  a drafter of the target, and whose build's attention takes its head size (`vllm.support.check_served`);
 - export: for each format, the drafter that train will build (its type's `planned_config`: shapes from the target,
   aux layers, variant flags, `drafter_arch`; or `init_from`'s own config) against that format's rules (the type's
   `check_exportable`);
@@ -27,8 +30,18 @@ from eaglekit import registry
 from eaglekit.errors import EaglekitError
 
 
-def _refused(stage: str, error: EaglekitError) -> EaglekitError:
-    return EaglekitError(f"{stage} would refuse this run after training, so nothing ran: {error}")
+def _refused(stage: str, error: EaglekitError, when: str = " after training") -> EaglekitError:
+    return EaglekitError(f"{stage} would refuse this run{when}, so nothing ran: {error}")
+
+
+def check_capture(config: Any) -> None:
+    """What `eaglekit extract backend=vllm` refuses of its target before the engine starts (config:
+    `eaglekit.stages.extract.Config`): vLLM missing or of another version, a target it will not capture from."""
+    from eaglekit.targets.loading import local_model_dir
+    from eaglekit.vllm.engine import find_engine
+    from eaglekit.vllm.support import check_captured
+
+    check_captured(find_engine(config.vllm_python, config.vllm_version_check), local_model_dir(config.target))
 
 
 def check_decoding(target_config: Any, methods: Iterable[str], backend: str, name: str) -> None:
@@ -60,7 +73,7 @@ def check_bench(config: Any, target_config: Any, methods: list[str]) -> None:
     if config.engine == "vllm":
         from eaglekit.vllm.engine import find_engine
 
-        from eaglekit.vllm.bench import check_served
+        from eaglekit.vllm.support import check_served
         from eaglekit.targets.loading import local_model_dir
 
         check_served(find_engine(config.vllm_python, config.vllm_version_check), local_model_dir(config.target))
@@ -106,6 +119,11 @@ def check_steps(steps: Iterable[Any], target: str, trust_remote_code: bool = Fal
 
     configs = {step.name: step.make_config() for step in steps}
     target_config = load_target_config(target, trust_remote_code=trust_remote_code)
+    if "extract" in configs and configs["extract"].backend == "vllm":
+        try:
+            check_capture(configs["extract"])
+        except EaglekitError as error:
+            raise _refused("extract", error, "") from None
     for name in (n for n in configs if n == "bench" or n.startswith("bench-")):  # bench-<type>: a further drafter's
         bench = configs[name]
         try:

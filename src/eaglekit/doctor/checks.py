@@ -11,8 +11,10 @@ from typing import Any
 
 from eaglekit.doctor.facts import (
     NOT_SUPPORTED, SUPPORTED, UNKNOWN, VLLM_ALLOW_LIST_MODULES, VLLM_INTERFACES, Target, class_of_value, in_mro,
-    method_facts, decoder_facts, default_layers, forward_passthrough, lookup, sglang_registry, vllm_registry,
+    method_facts, decoder_facts, default_layers, forward_passthrough, lookup, sglang_registry, subclass_facts,
+    vllm_registry,
 )
+from eaglekit.doctor.limits import cpu_attention, head_size_reason
 from eaglekit.doctor.serving import check_embedding, embedding_lookup
 from eaglekit.doctor.source import EngineSource
 from eaglekit.doctor.pysource import ClassInfo, ModuleIndex
@@ -24,8 +26,8 @@ SGLANG_METHODS = ("set_eagle3_layers_to_capture", "get_embed_and_head")
 def _report(engine: str, source: EngineSource, target: Target) -> dict[str, Any]:
     return {"engine": engine, "engine_version": source.version(), "engine_source": source.description,
             "target": {"architecture": target.architecture, "model_type": target.model_type,
-                       "num_layers": target.num_layers, "source": target.source},
-            "verdict": UNKNOWN, "reasons": [], "fix": [], "plugin_fix_possible": False}
+                       "num_layers": target.num_layers, "source": target.source, "head_size": target.head_size},
+            "verdict": UNKNOWN, "reasons": [], "fix": [], "plugin_fix_possible": False, "serving_only": []}
 
 
 def _unknown(report: dict[str, Any], reason: str) -> dict[str, Any]:
@@ -57,6 +59,16 @@ def vllm_interface(index: ModuleIndex, cls: ClassInfo, protocol: ClassInfo) -> d
 
 def vllm_allow_list(index: ModuleIndex, target: Target) -> dict[str, Any] | None:
     """The model-type allow-list for EAGLE-3 targets that some vLLM releases had in vllm/config."""
+    if "allow_list" not in index.memo:
+        index.memo["allow_list"] = _allow_list(index)
+    found = index.memo["allow_list"]
+    if found is None:
+        return None
+    passes = None if target.model_type is None else any(v in target.model_type for v in found["model_types"])
+    return {**found, "model_type": target.model_type, "passes": passes}
+
+
+def _allow_list(index: ModuleIndex) -> dict[str, Any] | None:
     for module in VLLM_ALLOW_LIST_MODULES:
         info = index.module(module)
         if info is None:
@@ -68,9 +80,7 @@ def vllm_allow_list(index: ModuleIndex, target: Target) -> dict[str, Any] | None
             if not any(ALLOW_LIST_NAME.search(n) for n in names):
                 continue
             values = [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-            passes = None if target.model_type is None else any(v in target.model_type for v in values)
-            return {"file": info.relative, "line": node.lineno, "name": names[0], "model_types": values,
-                    "model_type": target.model_type, "passes": passes}
+            return {"file": info.relative, "line": node.lineno, "name": names[0], "model_types": values}
     return None
 
 
@@ -101,10 +111,15 @@ def _vllm_wrapper(index: ModuleIndex, cls: ClassInfo, registry: dict, protocol: 
     return wrapper
 
 
-def check_vllm(index: ModuleIndex, source: EngineSource, target: Target,
-               registrations: list[dict[str, Any]]) -> dict[str, Any]:
+def check_vllm(index: ModuleIndex, source: EngineSource, target: Target, registrations: list[dict[str, Any]],
+               device_type: str | None = None) -> dict[str, Any]:
+    """The vLLM report; `device_type` "cpu": the build's CPU attention must take the target's head size."""
     report = _report("vllm", source, target)
-    registry = vllm_registry(index)
+    report["device_type"] = device_type
+    report["capture"] = {"verdict": UNKNOWN, "reasons": report["reasons"]}  # until the class is read
+    if "registry" not in index.memo:
+        index.memo["registry"] = vllm_registry(index)
+    registry = index.memo["registry"]
     if registry is None:
         return _unknown(report, "vllm/model_executor/models/registry.py is missing or holds no (module, class) dict: "
                                 "this vLLM layout is not recognised")
@@ -127,7 +142,12 @@ def check_vllm(index: ModuleIndex, source: EngineSource, target: Target,
     wrapper = _vllm_wrapper(index, cls, registry, protocol, target)
     inner = wrapper.pop("_inner_class", None) if wrapper else None
     report["wrapper"] = wrapper
-    report["decoder"] = decoder_facts(index, inner or cls) if (inner or not wrapper) else None
+    decoder = decoder_facts(index, inner or cls) if (inner or not wrapper) else None
+    report["decoder"] = decoder
+    if decoder is not None and not wrapper and not report["interface"]["implements"]:
+        report["subclass"] = subclass_facts(index, cls, decoder)  # the interface over a decoder that collects
+    if decoder is not None:
+        decoder.pop("_class")
     getter = report["interface"]["getter"]
     holder = cls if report["interface"]["implements"] or inner is None else inner
     layers = default_layers(index, holder, getter, target.num_layers) if getter else None
@@ -137,7 +157,9 @@ def check_vllm(index: ModuleIndex, source: EngineSource, target: Target,
     proposer = embedding_lookup(source)  # what the EAGLE proposer reads of the target when it loads a drafter
     report["serving"] = ({"embedding": check_embedding(index, inner or cls, proposer, target, source)} if proposer
                          else None)
+    report["cpu_attention"] = cpu_attention(index, source, target)
     _vllm_verdict(report, cls, inner)
+    report["capture"] = _capture_verdict(report)
     return report
 
 
@@ -180,6 +202,17 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
                           f"(in MRO: {interface['in_mro']}; methods: "
                           + ", ".join(f"{k} {v['status']}" for k, v in interface["methods"].items()) + ")")
         fix.insert(0, f"in {cls.relative}, add {interface['interface']} to {cls.name}'s bases and implement {methods}")
+        subclass = report.get("subclass") or {}
+        if subclass.get("fits"):
+            report["plugin_fix_possible"] = True
+            _embedding_verdict(report, wrapper_fixable=True)
+            fix.append(f"or run `eaglekit doctor --engine vllm --target {_target_argument(report)} --fix`: it writes "
+                       f"an out-of-tree plugin registering a subclass of {cls.name} with the interface over "
+                       f"self.{subclass['holder']} ({subclass['decoder']}, which collects the aux states already)")
+    limit = report.get("cpu_attention") or {}
+    if report.get("device_type") == "cpu" and limit.get("takes") is False:
+        reasons.append(head_size_reason(limit))
+        fix.append(f"run vLLM on a GPU build, or a target whose head size is one of {limit['sizes']}")
     embedding = (report.get("serving") or {}).get("embedding") or {}
     if fix:
         report["verdict"] = NOT_SUPPORTED
@@ -188,6 +221,7 @@ def _vllm_verdict(report: dict[str, Any], cls: ClassInfo, inner: ClassInfo | Non
         if embedding.get("status") == "unknown":
             reasons.append(f"could not tell whether vLLM's EAGLE proposer ({embedding['proposer']}) finds the "
                            f"target's embedding: {embedding['why']}")
+            report["serving_only"].append(reasons[-1])
         if allow and allow["passes"] is None:
             reasons.append(f"{allow['file']}:{allow['line']} limits EAGLE-3 to model types {allow['model_types']}; "
                            "pass the target's config.json so its model_type can be checked")
@@ -211,16 +245,39 @@ def _embedding_verdict(report: dict[str, Any], wrapper_fixable: bool) -> None:
         f"looks at the drafter, and refuses to load any drafter otherwise (\"Target model does not have ...\"): "
         f"{embedding['why']}; a drafter that carries its own embedding does not avoid this")
     attribute, target = embedding["embedding_attribute"], report["target"]
+    report["serving_only"].append(report["reasons"][-1])
     if not attribute:
         report["fix"].append(f"give the decoder's embedding one of the names {names}: a model change")
         return
     fixable = wrapper_fixable or not report["fix"]
-    argument = target["source"] if target["source"] != "architecture name" else target["architecture"]
+    argument = _target_argument(report)
     report["fix"].append(f"run `eaglekit doctor --engine vllm --target {argument} --fix`: it writes a plugin that "
                          f"registers {target['architecture']} as a subclass of {report['class']['class']} exposing "
                          f"self.{embedding['holder']}.{attribute} as {embedding['names'][0]} too"
                          + ("" if fixable else " (once the other fixes are made)"))
     report["plugin_fix_possible"] = report["plugin_fix_possible"] or fixable
+
+
+def _target_argument(report: dict[str, Any]) -> str:
+    target = report["target"]
+    return target["source"] if target["source"] != "architecture name" else target["architecture"]
+
+
+def _capture_verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """Can vLLM capture hidden states from the target (`extract backend=vllm`: its `extract_hidden_states` method)?
+    It asks of the target class what a drafter does (vLLM's model runner checks `supports_eagle3` for both: the
+    EAGLE-3 interface, a decoder that collects), the allow-list and the build's attention too, but not the EAGLE
+    proposer's embedding lookup (`serving`), which is the drafter's business."""
+    interface, decoder, allow = report["interface"], report["decoder"], report["allow_list"]
+    limit = report.get("cpu_attention") or {}
+    collects = decoder["collects_aux"] if decoder else None
+    reasons = [r for r in report["reasons"] if r not in report["serving_only"]]
+    if (not interface["implements"] or collects is False or (allow and allow["passes"] is False)
+            or (report.get("device_type") == "cpu" and limit.get("takes") is False)):
+        return {"verdict": NOT_SUPPORTED, "reasons": reasons}
+    if collects is None or (allow and allow["passes"] is None):
+        return {"verdict": UNKNOWN, "reasons": reasons}
+    return {"verdict": SUPPORTED, "reasons": reasons}
 
 
 # --- SGLang ---------------------------------------------------------------------------------
@@ -252,6 +309,8 @@ def check_sglang(index: ModuleIndex, source: EngineSource, target: Target) -> di
                                        else None)}
     report["wrapper"] = wrapper
     report["decoder"] = decoder_facts(index, inner or cls) if (inner or not wrapper) else None
+    if report["decoder"] is not None:
+        report["decoder"].pop("_class")
     layers = default_layers(index, cls, "set_eagle3_layers_to_capture", target.num_layers,
                             attribute="layers_to_capture")
     if layers is None and inner is not None:

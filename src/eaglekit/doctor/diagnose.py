@@ -28,8 +28,10 @@ from eaglekit.doctor.pysource import ModuleIndex
 
 # --- entry point ------------------------------------------------------------------------------
 def diagnose(engine: str, target: str, engine_source: str = "", plugins: tuple[str, ...] = (),
-             installed_plugins: bool = True) -> dict[str, Any]:
-    """The full report for `target` on `engine` (see the module docstring)."""
+             installed_plugins: bool = True, device_type: str = "") -> dict[str, Any]:
+    """The full report for `target` on `engine` (see the module docstring). `device_type`: what the vLLM read runs on
+    ("cpu": its CPU attention must take the target's head size); empty: "cpu" for the CPU build's distribution."""
+    from eaglekit.doctor.limits import build_device
     from eaglekit.doctor.source import DirectorySource, open_source
     from eaglekit.doctor.plugin import find_registrations
 
@@ -40,7 +42,7 @@ def diagnose(engine: str, target: str, engine_source: str = "", plugins: tuple[s
         site = source.root if isinstance(source, DirectorySource) and any(source.root.glob("*.dist-info")) else None
         registrations, plugin_sources = find_registrations(plugins, installed_plugins, site)
         index = ModuleIndex([source, *plugin_sources])
-        report = check_vllm(index, source, parsed, registrations)
+        report = check_vllm(index, source, parsed, registrations, device_type or build_device(source))
         report["plugins"] = registrations
     else:
         report = check_sglang(ModuleIndex([source]), source, parsed)
@@ -101,6 +103,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"target: {target['architecture']} (model_type {target['model_type']}, {target['num_layers']} layers; "
              f"{target['source']})",
              f"verdict: {report['verdict'].upper()}"]
+    if "capture" in report:
+        lines.append(f"capture (extract backend=vllm): {report['capture']['verdict'].upper()}")
     registry = report.get("registry")
     if registry:
         lines.append(f"registry: {target['architecture']} -> {registry['module']}.{registry['class']} (registered by "
@@ -131,6 +135,18 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{layers.get('input_of_layer_ids') or '(needs the layer count: pass config.json)'}"
                      + (f", engine explicit ids {layers['engine_explicit_ids']}" if layers.get("engine_explicit_ids")
                         else ""))
+    subclass = report.get("subclass")
+    if subclass:
+        lines.append(f"subclass plugin: the interface over self.{subclass['holder']} ({subclass['decoder']}, setter "
+                     f"{subclass['setter']}): " + ("fits" if subclass["fits"] else "does not fit: "
+                                                   + "; ".join(subclass["why"])))
+    limit = report.get("cpu_attention")
+    if limit and limit["head_size"] is not None:
+        build = {"cpu": "this CPU build", None: "vLLM's CPU build (if this is it)"}.get(report.get("device_type"),
+                                                                                      "not this build")
+        lines.append(f"CPU attention ({build}): {limit['backend']} takes head sizes {limit['sizes']} "
+                     f"({limit['where']}): the target's {limit['head_size']} "
+                     + ("is one" if limit["takes"] else "is NOT one"))
     embedding = (report.get("serving") or {}).get("embedding")
     if embedding:
         found = {"ok": f"found ({embedding['provided_by']})", "missing": "MISSING", "unknown": "unknown"}

@@ -31,6 +31,8 @@ class Target:
     num_layers: int | None = None
     text_architecture: str | None = None  # text_config.architectures[0] of a multimodal config
     source: str = ""
+    head_size: int | None = None  # what an attention backend's KV cache holds per head (see `attention_head_size`)
+    mla: bool = False  # latent attention (DeepSeek): the head is the compressed latent plus its rope part
 
 
 def read_target(target: str) -> Target:
@@ -57,13 +59,26 @@ def read_target(target: str) -> Target:
             raise EaglekitError(f"{path} has no 'architectures' list, so no engine can tell which class to load; add "
                                 "\"architectures\": [\"<ClassName>\"] to it or pass the architecture name as target")
         text = data.get("text_config") or data.get("language_config") or data.get("llm_config") or {}
+        head_size, mla = attention_head_size({**data, **text})
         return Target(architectures[0], text.get("model_type") or data.get("model_type"),
                       text.get("num_hidden_layers") or data.get("num_hidden_layers"),
-                      (text.get("architectures") or [None])[0], str(path))
+                      (text.get("architectures") or [None])[0], str(path), head_size, mla)
     if not target.replace("_", "").isalnum():
         raise EaglekitError(f"target '{target}' is neither an existing config.json/model directory, a hub id nor an "
                             "architecture name (such as LlamaForCausalLM)")
     return Target(target, source="architecture name")
+
+
+def attention_head_size(config: dict[str, Any]) -> tuple[int | None, bool]:
+    """(size per head of the attention's KV cache, MLA?) from a (text) config dict: `head_dim`, else hidden size /
+    heads; for latent attention (`kv_lora_rank`) the latent plus its rope part, which is what vLLM's MLA backends
+    cache per token. None when the config does not say."""
+    if config.get("kv_lora_rank"):
+        return int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0), True
+    if config.get("head_dim"):
+        return int(config["head_dim"]), False
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return (int(hidden) // int(heads) if hidden and heads else None), False
 
 
 def _hub_or_tiny_config(target: str) -> Path:
@@ -217,10 +232,10 @@ def decoder_facts(index: ModuleIndex, cls: ClassInfo) -> dict[str, Any]:
     forward = index.find_method(decoder, "forward")
     if forward is None:
         return {"class": decoder.name, "where": decoder.where, "how": how, "collects_aux": None,
-                "evidence": "no forward found"}
+                "evidence": "no forward found", "_class": decoder}
     hits = _forward_mentions(index, decoder, forward)
     return {"class": decoder.name, "where": decoder.where, "how": how, "collects_aux": bool(hits),
-            "forward": f"{forward[0].relative}:{forward[1].lineno}", "evidence": hits}
+            "forward": f"{forward[0].relative}:{forward[1].lineno}", "evidence": hits, "_class": decoder}
 
 
 def _forward_mentions(index: ModuleIndex, decoder: ClassInfo, forward: tuple[ClassInfo, ast.FunctionDef]) -> list[str]:
@@ -243,23 +258,67 @@ def _forward_mentions(index: ModuleIndex, decoder: ClassInfo, forward: tuple[Cla
     return sorted(set(hits))
 
 
-def forward_passthrough(index: ModuleIndex, wrapper: ClassInfo) -> bool | None:
-    """Does the wrapper's forward return what `self.language_model...(...)` returned (aux states included)?"""
+def forward_passthrough(index: ModuleIndex, wrapper: ClassInfo, attribute: str = "language_model") -> bool | None:
+    """Does the class's forward return what `self.<attribute>...(...)` returned (aux states included)?
+
+    `language_model` (a wrapper's): any call that names it. Another attribute (a decoder's `model`): a call of
+    `self.<attribute>` itself, returned at once or through a name nothing else is assigned to."""
     found = index.find_method(wrapper, "forward")
     if found is None:
         return None
+
+    def inner(call: ast.expr, whole: ast.expr) -> bool:
+        if not isinstance(call, ast.Call):
+            return False
+        if attribute == "language_model":
+            return attribute in ast.unparse(whole)
+        return ast.unparse(call.func) == f"self.{attribute}"
+
     assigned: set[str] = set()
+    other: set[str] = set()  # names also assigned something else (`hidden = hidden * scale`): not passed through
     for node in ast.walk(found[1]):
-        if (isinstance(node, ast.Assign) and "language_model" in ast.unparse(node.value)
-                and isinstance(node.value, ast.Call)):
+        if isinstance(node, ast.Assign) and inner(node.value, node.value):
             assigned.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and attribute != "language_model":
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            other.update(t.id for t in targets if isinstance(t, ast.Name))
     for node in ast.walk(found[1]):
         if isinstance(node, ast.Return) and node.value is not None:
-            if isinstance(node.value, ast.Call) and "language_model" in ast.unparse(node.value.func):
+            if inner(node.value, getattr(node.value, "func", node.value)):
                 return True
-            if isinstance(node.value, ast.Name) and node.value.id in assigned:
+            if isinstance(node.value, ast.Name) and node.value.id in assigned - other:
                 return True
     return None
+
+
+def subclass_facts(index: ModuleIndex, cls: ClassInfo, decoder: dict[str, Any]) -> dict[str, Any]:
+    """Can a subclass of `cls` (which lacks the EAGLE-3 interface) add it over its decoder? It can when the decoder is
+    `self.model`, already collects the aux states (its forward, own or inherited: vLLM's Glm4Model is a LlamaModel),
+    takes the layers to collect by a method or attribute the subclass can set, iterates `self.layers` (the default
+    getter counts them), and `cls.forward` returns the decoder's output as it is."""
+    decoder_class: ClassInfo = decoder["_class"]
+    holder = "model" if decoder.get("how") != "the class itself" else None
+    if index.find_method(decoder_class, "_set_aux_hidden_state_layers") is not None:
+        setter = "_set_aux_hidden_state_layers"  # vLLM's EagleModelMixin: its bookkeeping (pipeline slots) too
+    elif "aux_hidden_state_layers" in (decoder.get("evidence") or []):
+        setter = "aux_hidden_state_layers"
+    else:
+        setter = None
+    forward = index.find_method(decoder_class, "forward")
+    layers = forward is not None and any(
+        isinstance(n, ast.Attribute) and n.attr == "layers" and isinstance(n.value, ast.Name) and n.value.id == "self"
+        for n in ast.walk(forward[1]))
+    passthrough = forward_passthrough(index, cls, holder) if holder else None
+    why = [text for failed, text in (
+        (holder is None, f"{cls.name} has no decoder of its own in self.model"),
+        (decoder.get("collects_aux") is not True, f"{decoder_class.name}.forward does not collect the aux states"),
+        (setter is None, f"{decoder_class.name} has neither _set_aux_hidden_state_layers nor an "
+                         "aux_hidden_state_layers attribute its forward reads"),
+        (not layers, f"{decoder_class.name}.forward does not iterate self.layers (the default getter counts them)"),
+        (holder is not None and passthrough is not True,
+         f"{cls.name}.forward does not visibly return self.{holder}(...)'s output as it is")) if failed]
+    return {"holder": holder, "decoder": decoder_class.name, "decoder_where": decoder_class.where, "setter": setter,
+            "forward_passthrough": passthrough, "fits": not why, "why": why}
 
 
 def default_layers(index: ModuleIndex, cls: ClassInfo, method: str, num_layers: int | None,

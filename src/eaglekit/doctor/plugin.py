@@ -10,15 +10,21 @@ When the target's decoder names its embedding otherwise than vLLM's EAGLE propos
 `embed_in` under the Transformers backend: see `serving`), the plugin's subclass also makes the same
 module reachable under the name the proposer reads. Both can be needed at once; the plugin writes what is.
 
-What it does not cover: an inner decoder that does not collect aux states (a model change), a
-wrapper whose forward post-processes the language model's output (the aux states would be dropped),
-and pipeline parallelism across the wrapper (aux tensors between ranks are the model's business).
+When the class itself lacks the interface but its decoder (`self.model`) already collects the aux states, mostly
+by inheritance (vLLM 0.32's `Glm4Model` is a `LlamaModel`, whose forward collects them), the plugin's subclass adds
+`SupportsEagle3` with `set_aux_hidden_state_layers` handing the layers to the decoder (through the setter the doctor
+found there) and the default-layers getter counting the decoder's layers.
+
+What it does not cover: a decoder that does not collect aux states (a model change), a class or
+wrapper whose forward post-processes the decoder's or language model's output (the aux states would be
+dropped), and pipeline parallelism across a wrapper (aux tensors between ranks are the model's business).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -92,8 +98,31 @@ ALIAS_INIT = '''        decoder = {decoder_path}
             object.__setattr__(decoder, {alias!r}, decoder.{attribute})
 '''
 
-INIT_TEMPLATE = '''"""vLLM plugin written by eaglekit: EAGLE-3 for {architecture} by delegation to its language
-model."""
+# A class whose decoder collects the aux states already (by inheritance, mostly): the interface over that decoder.
+SUBCLASS_SUMMARY = ("with the EAGLE-3 interface over its decoder {decoder} (self.{holder}), which collects the aux "
+                    "states")
+SUBCLASS_CONSTANTS = '''
+# {decoder} ({decoder_where}) collects the aux hidden states in its forward already;
+# {target_class} only lacks the interface by which vLLM asks for them
+'''
+SUBCLASS_SETTERS = {
+    "_set_aux_hidden_state_layers": "self.{holder}._set_aux_hidden_state_layers(tuple(layers))",
+    "aux_hidden_state_layers": "self.{holder}.aux_hidden_state_layers = tuple(layers)",
+}
+SUBCLASS_METHODS = '''
+    def set_aux_hidden_state_layers(self, layers):
+        {set_layers}
+
+    def get_eagle3_default_aux_hidden_state_layers(self):  # vLLM's default: (2, L // 2, L - 3)
+        num_layers = len(self.{holder}.layers)
+        return (2, num_layers // 2, num_layers - 3)
+
+    def get_eagle3_aux_hidden_state_layers(self):  # the same, by the getter's name before 2026-03
+        num_layers = len(self.{holder}.layers)
+        return (2, num_layers // 2, num_layers - 3)
+'''
+
+INIT_TEMPLATE = '''"""vLLM plugin written by eaglekit: EAGLE-3 for {architecture} ({target_class} {summary})."""
 
 ARCHITECTURE = {architecture!r}
 MODEL_CLASS = "{package}.model:{name}"
@@ -112,7 +141,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "{distribution}"
 version = "0.1.0"
-description = "EAGLE-3 for {architecture} in vLLM by delegation to its language model (eaglekit doctor --fix)"
+description = "EAGLE-3 for {architecture} in vLLM (eaglekit doctor --fix)"
 requires-python = ">=3.9"
 
 [project.entry-points."vllm.general_plugins"]
@@ -137,25 +166,28 @@ def write_vllm_plugin(report: dict[str, Any], output: str | Path, overwrite: boo
         raise EaglekitError(f"{report['target']['architecture']} is already supported by this vLLM: nothing to fix")
     if not report.get("plugin_fix_possible"):
         why = "; ".join(report["reasons"]) or "the doctor could not establish the facts"
-        raise EaglekitError(f"a delegation plugin cannot fix this: {why}. Needed instead: {'; '.join(report['fix'])}")
+        raise EaglekitError(f"the plugins --fix writes cannot fix this: {why}. Needed instead: "
+                            f"{'; '.join(report['fix'])}")
     architecture = report["target"]["architecture"]
     package = f"eaglekit_eagle3_{_slug(architecture)}"
     fields = {"architecture": architecture, "package": package, "name": f"Eagle3{report['class']['class']}",
               "target_class": report["class"]["class"], "module": report["class"]["module"],
               "version": report["engine_version"], "distribution": package.replace("_", "-")}
-    model = MODEL_TEMPLATE.format(**fields, **_plugin_parts(report))
+    parts = _plugin_parts(report)
+    model = MODEL_TEMPLATE.format(**fields, **parts)
     root = claim_output(Path(output) / package.replace("_", "-"), "doctor", overwrite)
     atomic_write_text(root / "pyproject.toml", PYPROJECT_TEMPLATE.format(**fields))
     atomic_write_text(root / package / "model.py", model)
-    atomic_write_text(root / package / "__init__.py", INIT_TEMPLATE.format(**fields))
+    atomic_write_text(root / package / "__init__.py", INIT_TEMPLATE.format(**fields, summary=parts["summary"]))
     return root
 
 
 def _plugin_parts(report: dict[str, Any]) -> dict[str, str]:
-    """The plugin class's summary, constants, __init__ lines and methods: delegation to a wrapper's language model,
-    an alias for the decoder's embedding, or both."""
+    """The plugin class's summary, constants, __init__ lines and methods: delegation to a wrapper's language model, or
+    the interface over the class's own decoder (`subclass`), an alias for the decoder's embedding, or both."""
     wrapper = report.get("wrapper") or {}
     delegate = bool(wrapper) and not report["interface"]["implements"]
+    subclass = (report.get("subclass") or {}) if not wrapper and not report["interface"]["implements"] else {}
     embedding = (report.get("serving") or {}).get("embedding") or {}
     alias = embedding.get("status") == "missing" and embedding.get("embedding_attribute")
     summaries, constants, init, methods = [], "", "", ""
@@ -169,6 +201,15 @@ def _plugin_parts(report: dict[str, Any]) -> dict[str, str]:
         constants += DELEGATION_CONSTANTS.format(getters=GETTERS)
         init += DELEGATION_INIT
         methods += DELEGATION_METHODS.format(inner=inner)
+    if subclass:
+        if not subclass["fits"]:
+            raise EaglekitError(f"{report['class']['class']} lacks the EAGLE-3 interface and a subclass cannot add it: "
+                                f"{'; '.join(subclass['why'])}")
+        names = {"holder": subclass["holder"], "decoder": subclass["decoder"],
+                 "decoder_where": subclass["decoder_where"], "target_class": report["class"]["class"]}
+        summaries.append(SUBCLASS_SUMMARY.format(**names))
+        constants += SUBCLASS_CONSTANTS.format(**names)
+        methods += SUBCLASS_METHODS.format(set_layers=SUBCLASS_SETTERS[subclass["setter"]].format(**names), **names)
     if alias:
         names = {"attribute": embedding["embedding_attribute"], "alias": embedding["names"][0],
                  "holder": embedding["holder"], "proposer": embedding["proposer"],
@@ -177,7 +218,7 @@ def _plugin_parts(report: dict[str, Any]) -> dict[str, str]:
         summaries.append(ALIAS_SUMMARY.format(**names))
         constants += ALIAS_CONSTANTS.format(**names)
         init += ALIAS_INIT.format(**names)
-    assert summaries, "plugin_fix_possible without a delegation or an alias to write"
+    assert summaries, "plugin_fix_possible without a delegation, an interface or an alias to write"
     return {"summary": " and ".join(summaries), "constants": constants, "init_body": init, "methods": methods}
 
 
@@ -249,8 +290,9 @@ def _scan_project(project: Path) -> tuple[list[dict[str, Any]], list[EngineSourc
 def find_registrations(plugin_dirs: tuple[str, ...] = (), installed: bool = True,
                        site: Path | None = None) -> tuple[list[dict[str, Any]], list[EngineSource]]:
     """vLLM plugin registrations from plugin project dirs and installed entry points, read without importing.
-    Installed ones: those of the distributions in `site` (the site-packages vLLM itself is read from), else of
-    this environment."""
+    Installed ones: those of the distributions in `site` (the site-packages vLLM itself is read from) and in the
+    PYTHONPATH entries (a vLLM started from here has them on its path before its own site-packages), else of this
+    environment."""
     registrations: list[dict[str, Any]] = []
     sources: list[EngineSource] = []
     for directory in plugin_dirs:
@@ -267,7 +309,8 @@ def find_registrations(plugin_dirs: tuple[str, ...] = (), installed: bool = True
         if site is None:
             entry_points = list(importlib.metadata.entry_points(group=GROUP))
         else:
-            entry_points = [entry_point for dist in importlib.metadata.distributions(path=[str(site)])
+            paths = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry] + [str(site)]
+            entry_points = [entry_point for dist in importlib.metadata.distributions(path=paths)
                             for entry_point in dist.entry_points if entry_point.group == GROUP]
         for entry_point in entry_points:
             dist = entry_point.dist

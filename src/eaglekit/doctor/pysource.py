@@ -94,6 +94,8 @@ class ModuleIndex:
     def __init__(self, sources: list[EngineSource]):
         self.sources = sources
         self._modules: dict[str, ModuleInfo | None] = {}
+        self._assignments: dict[tuple[str, str], list[tuple[ClassInfo, ast.expr]]] = {}
+        self.memo: dict[str, Any] = {}  # what callers read from these modules once, by the name of what read it
 
     # --- modules ----------------------------------------------------------------------------
     def module(self, name: str) -> ModuleInfo | None:
@@ -263,6 +265,11 @@ class ModuleIndex:
 
     def self_assignments(self, cls: ClassInfo, attribute: str) -> list[tuple[ClassInfo, ast.expr]]:
         """`self.<attribute> = value` statements in any method along the MRO, most derived first."""
+        if (cls.key, attribute) not in self._assignments:
+            self._assignments[(cls.key, attribute)] = self._self_assignments(cls, attribute)
+        return self._assignments[(cls.key, attribute)]
+
+    def _self_assignments(self, cls: ClassInfo, attribute: str) -> list[tuple[ClassInfo, ast.expr]]:
         found = []
         for entry in self.mro(cls):
             if not isinstance(entry, ClassInfo):

@@ -31,6 +31,12 @@ SETTERS = ("object.__setattr__", "setattr")
 
 def embedding_lookup(source: EngineSource) -> dict[str, Any] | None:
     """The proposer function that looks the target's embedding up: {file, line, function, holder, names}."""
+    if "embedding_lookup" not in source.memo:
+        source.memo["embedding_lookup"] = _find_embedding_lookup(source)
+    return source.memo["embedding_lookup"]
+
+
+def _find_embedding_lookup(source: EngineSource) -> dict[str, Any] | None:
     for path in source.python_files(PROPOSER_DIR):
         text = source.read(path) or ""
         if "embed_tokens" not in text or "hasattr" not in text:

@@ -26,6 +26,7 @@ class EngineSource(ABC):
     def __init__(self, package: str, description: str):
         self.package = package
         self.description = description
+        self.memo: dict[str, object] = {}  # what was read from these files once, by the name of what read it
 
     @abstractmethod
     def read(self, relative: str) -> str | None:

@@ -312,7 +312,7 @@ def run(config: Config) -> dict[str, Any]:
         from eaglekit.vllm.engine import find_engine
 
         engine = find_engine(config.vllm_python, config.vllm_version_check)
-        from eaglekit.vllm.bench import check_served
+        from eaglekit.vllm.support import check_served
         from eaglekit.targets.loading import local_model_dir
 
         check_served(engine, local_model_dir(config.target))

@@ -6,12 +6,18 @@
     eaglekit doctor --engine vllm --target config.json --fix fix_output=plugins/   # write a delegation plugin
     eaglekit doctor --engine vllm --target config.json --plugins plugins/          # re-check with that plugin
     eaglekit doctor --target tiny                                                  # eaglekit's target report
+    eaglekit doctor --engine vllm --coverage runs/doctor-coverage.json   # every registered architecture, classified
 
 With `--engine`, the engine is never imported: its source is read from the installed package, a
 source checkout or a wheel (`engine_source`), and the verdict (supported / not supported / unknown)
 names the file, class and methods to change, and the aux layers the engine uses by default. For vLLM it
 also checks what the EAGLE proposer reads of the target when it loads a drafter (its embedding), which a class
-with the EAGLE-3 interface can still fail; `--fix` writes a plugin where one can help.
+with the EAGLE-3 interface can still fail, and whether vLLM can capture hidden states from it (`extract
+backend=vllm`); `--fix` writes a plugin where one can help.
+
+Exit status (for scripts and CI): 0 supported (or `--fix` wrote its plugin, or no verdict was asked for: the target
+report, `--coverage`), 3 not supported (also: `drafter_type` not served by that release), 4 unknown (the doctor read
+the source but cannot tell); 1 when no report could be made (bad target, no engine source: the error says why).
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ class Config:
                                     "earlier --fix wrote it")
     drafter_type: str = option("", "with --engine: also say whether that engine release serves this drafter type",
                                choices=("", *registry.names()))
+    coverage: str = option("", "with --engine vllm and no target: classify every architecture of the engine's "
+                                "registry (supported, fixable by --fix's plugins, not fixable, unknown), print the "
+                                "counts and write the lists as JSON to this file")
     json: bool = option(False, "print the report as JSON")
     trust_remote_code: bool = option(False, "target report: allow the target's own modelling code")
 
@@ -63,7 +72,42 @@ def _target_report(config: Config) -> dict[str, Any]:
     return report
 
 
+EXIT_CODES = {"supported": 0, "not supported": 3, "unknown": 4}  # 1: an error (no report), 2: the CLI's usage error
+
+
+def exit_code(result: dict[str, Any]) -> int:
+    """The exit status of `eaglekit doctor` for its result (see the module docstring); `eaglekit run` records the
+    verdict in doctor.json instead."""
+    if "verdict" not in result or result.get("plugin_written"):
+        return 0
+    code = EXIT_CODES.get(result["verdict"], EXIT_CODES["unknown"])
+    if code == 0 and result.get("drafter_type") and not result["drafter_type"]["served"]:
+        return EXIT_CODES["not supported"]
+    return code
+
+
+def _coverage(config: Config) -> dict[str, Any]:
+    from pathlib import Path
+
+    from eaglekit.doctor.coverage import format_coverage, registry_coverage
+    from eaglekit.manifest import atomic_write_json
+
+    if config.engine != "vllm" or config.target or config.fix:
+        raise EaglekitError("--coverage classifies every architecture of vLLM's registry: pass --engine vllm, and "
+                            "no target or --fix")
+    if Path(config.coverage).is_dir():
+        raise EaglekitError(f"--coverage {config.coverage} is a directory; pass a file path, such as "
+                            f"{Path(config.coverage) / 'doctor-coverage.json'}")
+    coverage = registry_coverage(config.engine_source)
+    atomic_write_json(config.coverage, coverage)
+    print(json.dumps(coverage["counts"]) if config.json else format_coverage(coverage))
+    print(f"written to {config.coverage}")
+    return {"coverage": config.coverage, "counts": coverage["counts"]}
+
+
 def run(config: Config) -> dict[str, Any]:
+    if config.coverage:
+        return _coverage(config)
     if not config.target:
         raise EaglekitError("no target given: eaglekit doctor --target <config.json | model dir | hub id | "
                             "architecture> [--engine vllm|sglang]")

@@ -23,6 +23,7 @@ from typing import Any
 
 from eaglekit.errors import EaglekitError
 from eaglekit.vllm import engine as ve
+from eaglekit.vllm.support import doctor_advice
 
 log = logging.getLogger(__name__)
 
@@ -70,41 +71,6 @@ def engine_error(run: dict[str, Any], engine: ve.Engine, target: str, log_path: 
     """A vLLM refusal as one line: the engine's own words, and the fix the doctor gives for this target."""
     return EaglekitError(f"vLLM {engine.version} rejected run {run['name']}: {run['error'][:400]}; "
                          f"{doctor_advice(engine, target)} (log: {log_path})")
-
-
-def check_served(engine: ve.Engine, target: str) -> None:
-    """Refuse, before anything is measured, a target the doctor says this vLLM will not run with a drafter and no
-    plugin can fix (its model class lacks the EAGLE-3 interface); an unreadable engine, "unknown", or a class a
-    plugin fixes (it may be installed where the doctor does not look) passes, and vLLM has the last word."""
-    from eaglekit.doctor.diagnose import diagnose
-
-    sites = sorted(Path(engine.python).parent.parent.glob("lib/python3*/site-packages/vllm"))
-    try:
-        report = diagnose("vllm", target, str(sites[0]) if sites else "")
-    except EaglekitError:
-        return
-    if report["verdict"] == "not supported" and not report.get("plugin_fix_possible"):
-        raise EaglekitError(f"vLLM {engine.version} will not run {target} with a drafter: "
-                            f"{doctor_advice(engine, target, report)}; or leave engine=vllm out (eaglekit's own "
-                            "figures need no vLLM)")
-
-
-def doctor_advice(engine: ve.Engine, target: str, report: dict[str, Any] | None = None) -> str:
-    """What to do, from the doctor's report on the vLLM this engine runs: `--fix` only where it writes a plugin."""
-    from eaglekit.doctor.diagnose import diagnose
-
-    check = f"eaglekit doctor --engine vllm --target {target}"
-    sites = sorted(Path(engine.python).parent.parent.glob("lib/python3*/site-packages/vllm"))
-    try:
-        report = report or diagnose("vllm", target, str(sites[0]) if sites else "")
-    except EaglekitError as error:
-        return f"check the drafter export and the target with `{check}` ({error})"
-    if report.get("plugin_fix_possible"):
-        return (f"this vLLM's class for the target needs a plugin: run `{check} --fix` and pip-install the plugin "
-                "it writes into vLLM's environment")
-    if report["verdict"] != "supported":
-        return f"the doctor ({check}) says: {'; '.join(report['fix'] or report['reasons'])}"
-    return f"the doctor finds this target supported, so check the drafter export (and `{check}`)"
 
 
 def sample_specs(temperatures: tuple[float, ...], samples: int, num_prompts: int,

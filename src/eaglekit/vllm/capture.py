@@ -90,7 +90,7 @@ def engine_error(text: str, target: str, engine: ve.Engine, report: dict[str, An
     """The one-line fix for an engine failure whose text vLLM wrote; a class without the EAGLE-3 interface gets the
     doctor's own advice on this engine's vLLM (`report`: the doctor's, when already known)."""
     if "does not support EAGLE3 interface" in text:
-        from eaglekit.vllm.bench import doctor_advice
+        from eaglekit.vllm.support import doctor_advice
 
         return ("vLLM refuses to capture hidden states from this target class (no EAGLE-3 interface): "
                 f"{doctor_advice(engine, target, report)}, then re-run")

@@ -144,10 +144,10 @@ def capture_store(config: Any) -> tuple[Path, dict[str, Any]]:
     from eaglekit.targets.capture import text_config
     from eaglekit.targets.loading import load_tokenizer, local_model_dir
     from eaglekit.targets.shard_writer import writer_parallelism
+    from eaglekit.vllm.support import check_captured
 
     options = engine_options(config)
     parallelism = writer_parallelism(config.writer_threads, config.buffers)
-    out = claim_output(Path(config.output), "extract", config.overwrite)
     target_dir = local_model_dir(config.target)
     target_config = read_target_config(config)
     tokenizer = load_tokenizer(config.target, trust_remote_code=config.trust_remote_code)
@@ -155,6 +155,8 @@ def capture_store(config: Any) -> tuple[Path, dict[str, Any]]:
     aux_ids = lib.resolve_aux_ids(config.aux_layer_ids, config.aux_layer_convention, num_layers, config.target)
     layers = vc.engine_layers(aux_ids, num_layers, ve.target_facts(target_dir)["mla"])  # before vLLM is touched
     engine = ve.find_engine(options.python, options.version_check)  # vLLM missing or another version
+    check_captured(engine, target_dir)  # a target this vLLM will not capture from: before the engine, nothing written
+    out = claim_output(Path(config.output), "extract", config.overwrite)
     layout, identity = lib.layout_and_identity(target_config, tokenizer, aux_ids, config.dtype, config.max_length,
                                                config.chat_template)
     if config.regenerate:
