@@ -263,16 +263,18 @@ def test_every_command_a_message_or_a_stages_help_suggests_parses():
 
 def on_tiny(argv: list[str]) -> list[str]:
     """The command on the built-in tiny target and its shipped prompts: a placeholder target becomes `tiny`, a bare
-    data file name (the reader's own) the shipped prompt file."""
+    data file name (the reader's own) the shipped prompt file; a file the command writes (`OUTPUT_KEYS`, or after
+    `--<output key>`) is left alone, so that no command overwrites a shipped file."""
     from eaglekit.data.readers import SHIPPED_DATA
 
     result = []
     for index, word in enumerate(argv):
         key, _, value = word.rpartition("=") if "=" in word else ("", "", word)
         after_target = index > 0 and argv[index - 1] == "--target"
+        written = key.split(".")[-1] in OUTPUT_KEYS or index > 0 and argv[index - 1].lstrip("-") in OUTPUT_KEYS
         if (key == "target" or after_target) and placeholder(value):
             value = "tiny"
-        elif "/" not in value and value.endswith((".jsonl", ".json")) and not SHIPPED_LOOKING.match(value):
+        elif not written and "/" not in value and value.endswith((".jsonl", ".json")) and not SHIPPED_LOOKING.match(value):
             value = str(SHIPPED_DATA["tiny"])
         result.append(f"{key}={value}" if key else value)
     return result
@@ -405,3 +407,11 @@ def test_the_fix_a_malformed_data_line_names_works(reader, tmp_path, monkeypatch
     else:
         pytest.fail(f"the fixes named did not make `eaglekit {' '.join(argv)}` run: {errors}")
     assert errors, f"`eaglekit {' '.join(argv)}` did not stop at the malformed line"
+
+
+def test_a_file_a_command_writes_is_never_the_shipped_prompt_file():
+    from eaglekit.data.readers import SHIPPED_DATA
+
+    shipped = str(SHIPPED_DATA["tiny"])
+    assert on_tiny(["doctor", "--coverage", "coverage.json", "output=report.json", "prompts.jsonl"]) == [
+        "doctor", "--coverage", "coverage.json", "output=report.json", shipped]
