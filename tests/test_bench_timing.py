@@ -63,8 +63,11 @@ def test_flags_on_synthetic_figures():
     assert flags(0.0, 3.0, [2.9, 3.1], tau=2.5) == [SPEEDUP_ABOVE_TAU]  # impossible at T=0
     assert flags(1.0, 3.0, [2.9, 3.1], tau=2.5) == []  # sampled: tau bounds it only at T=0
     assert flags(0.0, 2.4, [2.3, 2.5], tau=2.5) == []
-    assert flags(0.0, 1.1, [0.9, 1.3], tau=2.5) == [SPREAD_WIDER_THAN_GAP]  # spread 0.4 > gap 0.1 to 1x
+    assert flags(0.0, 1.1, [0.9, 1.3], tau=2.5) == [SPREAD_WIDER_THAN_GAP]  # 0.2 below the median > gap 0.1 to 1x
+    assert flags(0.0, 0.9, [0.7, 1.0], tau=2.5) == [SPREAD_WIDER_THAN_GAP]  # one pass no faster than plain
     assert flags(0.0, 0.7, [0.65, 0.75], tau=2.5) == []  # slower than plain, and measurably so
+    assert flags(0.0, 0.82, [0.58, 0.83], tau=2.8) == []  # a wide spread, but every pass slower than plain
+    assert flags(0.0, 1.5, [1.05, 2.9], tau=3.0) == []  # every pass faster than plain
     assert flags(0.0, 6.37, [0.9, 6.5], tau=3.22) == [SPEEDUP_ABOVE_TAU, SPREAD_WIDER_THAN_GAP]
     assert flags(0.0, None, None, tau=2.5) == []
 

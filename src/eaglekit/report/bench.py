@@ -3,8 +3,8 @@ speed-up means, the methods bench left out, the headline's speed-up, and the rea
 
 A speed-up bench measured paired with plain decoding (`eaglekit.stages.bench.timing`: interleaved prompt by
 prompt, median and spread over the repeats) is taken from its row; an older bench.json's rows, and vLLM's, get
-tokens/s over the baseline's. A flagged speed-up (`flags`: above tau at T=0, or a spread wider than the gap to
-the baseline) is shown as not measurable, with its figures, and never as the headline.
+tokens/s over the baseline's. A flagged speed-up (`flags`: above tau at T=0, or a spread that reaches the
+baseline's 1x) is shown as not measurable, with its figures, and never as the headline.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 FLAG_WORDS = {  # what each flag means, in the notes under the table and in the headline
     "speedup_above_tau": "above tau, which no speculative step can beat at T=0 (a load change or a bug)",
-    "spread_wider_than_gap": "the repeats spread wider than its gap to the baseline",
+    "spread_wider_than_gap": "the repeats' spread reaches 1x: neither faster nor slower than the baseline, measurably",
 }
-FLAG_SHORT = {"speedup_above_tau": "above tau", "spread_wider_than_gap": "spread wider than the gap"}  # table cells
+FLAG_SHORT = {"speedup_above_tau": "above tau", "spread_wider_than_gap": "spread reaches 1x"}  # table cells
 
 
 def fmt(value: Any, spec: str = ".3f") -> str:

@@ -38,7 +38,7 @@ def side_by_side_markdown(rows: list[dict[str, Any]]) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speedup = f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] else "n/a"
-        if r.get("flags"):  # above tau at T=0, or a spread wider than the gap: noise, not a speed-up
+        if r.get("flags"):  # above tau at T=0, or a spread reaching 1x: noise, not a speed-up
             speedup = f"not measurable here ({speedup}: {', '.join(r['flags'])})"
         lines.append(f"| {r['drafter']} | {r['method']} | {r['drafts']} | {r['temperature']:g} | "
                      f"{r['tokens_per_second']:.1f} | {speedup} | {r['tau']:.2f} | "

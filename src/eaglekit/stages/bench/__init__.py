@@ -10,7 +10,7 @@ temperature in `temperatures=`. Before timing, the HF methods run the first `war
 untimed and eaglekit's methods every prompt (warmup=0: none). Then the methods run interleaved: prompt by
 prompt, every method back to back in a rotating order, `repeats` passes over the prompts; figures are medians
 over the passes with their spread, and speed-ups are paired with plain decoding's in the same pass
-(eaglekit.stages.bench.timing). A T=0 speed-up above tau, or a spread wider than the gap to plain, is flagged and
+(eaglekit.stages.bench.timing). A T=0 speed-up above tau, or a spread that reaches plain's 1x, is flagged and
 measured again (`remeasure=` more rounds at most); one still flagged is reported as not measurable. Writes
 bench.json, bench.md and bench.png to `output`.
 
@@ -62,7 +62,7 @@ class Config:
     repeats: int = option(3, "timed passes over the prompts, every method back to back on each prompt in a rotating "
                              "order (figures: median and min-max spread over the passes)")
     remeasure: int = option(2, "extra rounds of `repeats` passes at a temperature whose figures are flagged (a T=0 "
-                               "speed-up above tau, a spread wider than the gap to plain); still flagged after them: "
+                               "speed-up above tau, a spread that reaches plain's 1x); still flagged after them: "
                                "reported as not measurable")
     warmup: int = option(1, "HF methods: prompts run once untimed before timing; eaglekit's methods warm up on "
                             "all (0 = no warm-up)")

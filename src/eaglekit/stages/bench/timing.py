@@ -10,8 +10,9 @@ Pure functions: the schedule, a method's figures from its timings, and the flags
   the repeats with its spread, [min, max] over the repeats.
 - `flags`: `speedup_above_tau` (T=0 and a median speed-up above tau: a speculative step costs at least one target
   forward and yields tau tokens on average, so more is noise or a bug, never a speed-up); `spread_wider_than_gap`
-  (the repeats' spread of the speed-up, max - min, wider than its gap to the baseline, |median - 1|: on this
-  machine under its load the method cannot be told apart from the baseline).
+  (the repeats' spread of the speed-up, [min, max], reaches the baseline's 1x: on the baseline's side of the median
+  the spread is at least the gap between the method and the baseline, so on this machine under its load the
+  method cannot be told faster or slower than the baseline).
 """
 
 from __future__ import annotations
@@ -97,13 +98,14 @@ def figures(measured: Measured, method: str, baseline: str | None) -> dict[str, 
 
 def flags(temperature: float, speedup: float | None, speedup_spread: list[float] | None,
           tau: float | None) -> list[str]:
-    """What makes a speed-up untrustworthy (empty: none): above tau at T=0; a spread wider than the gap to 1x."""
+    """What makes a speed-up untrustworthy (empty: none): above tau at T=0; a spread that reaches the baseline's 1x
+    (wider, on the baseline's side of the median, than the gap to it)."""
     found = []
     if speedup is None:
         return found
     if temperature == 0 and tau is not None and speedup > tau:
         found.append(SPEEDUP_ABOVE_TAU)
-    if speedup_spread and speedup_spread[1] - speedup_spread[0] > abs(speedup - 1):
+    if speedup_spread and speedup_spread[0] <= 1 <= speedup_spread[1]:
         found.append(SPREAD_WIDER_THAN_GAP)
     return found
 
