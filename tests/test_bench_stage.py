@@ -164,7 +164,7 @@ def test_warm_up_covers_every_prompt_for_eaglekits_methods():
         config = load_config(bench.Config, overrides=["prompts=x.jsonl", "target=t", f"warmup={warmup}", "repeats=1"])
         for method, count in expected.items():
             calls.clear()
-            bench._measure(runner, method, 0.0, prompts, config)
+            bench.measure_temperature(runner, [method], 0.0, prompts, config)
             assert len(calls) == count, (method, warmup)
 
 
@@ -178,3 +178,50 @@ def test_bench_logs_one_readable_line_per_row():
         "bench: plain at T=1: no tokens generated")
     assert bench.row_summary({"method": "tree", "temperature": 0.0, "error": "RuntimeError: x"}) == (
         "bench: tree at T=0 failed: RuntimeError: x")
+
+
+def test_a_lying_timer_never_gives_a_speedup_above_tau(chat_target, drafter_dir, tmp_path, monkeypatch):
+    """plain's timed runs of the first round read 1000x slower (a load change that hits one method only): chain's
+    T=0 speed-up reads far above its tau, is flagged and measured again, and bench.json and bench.md never give a
+    speed-up above tau as a result."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    real, plain_calls = bench._Runner.__call__, []
+
+    def slowed(self, method, ids, temperature):
+        tokens, seconds, stats = real(self, method, ids, temperature)
+        if method == "plain":
+            plain_calls.append(seconds)
+            seconds *= 1000 if len(plain_calls) <= 2 else 1  # the first round: 2 passes over the one prompt
+        return tokens, seconds, stats
+
+    monkeypatch.setattr(bench._Runner, "__call__", slowed)
+    out = tmp_path / "bench"
+    bench.run(load_config(bench.Config, overrides=[
+        f"prompts={prompts}", f"target={chat_target}", f"drafter={drafter_dir}", f"output={out}", "methods=plain,chain",
+        "temperatures=0.0", "max_new_tokens=6", "repeats=2", "warmup=0", "remeasure=1", "device=cpu"]))
+    saved = json.loads((out / "bench.json").read_text())
+    chain = next(r for r in saved["rows"] if r["method"] == "chain")
+    first = chain["earlier_rounds"][0]
+    assert first["speedup"] > 100 * chain["tau"] and first["flags"][0] == "speedup_above_tau"
+    assert chain["rounds"] == 2 and len(plain_calls) == 4 and saved["schedule"]["max_rounds"] == 2
+    assert chain["speedup"] <= chain["tau"] or "speedup_above_tau" in chain["flags"]
+    cell = next(line for line in (out / "bench.md").read_text().splitlines() if line.startswith("| chain |"))
+    cell = cell.split("|")[5].strip()
+    assert cell.startswith("not measurable here") if chain["flags"] else float(cell.split("x")[0]) <= chain["tau"]
+
+
+def test_hf_assisted_without_an_assistant_is_named_as_skipped(chat_target, tmp_path, caplog):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    out = tmp_path / "bench"
+    config = load_config(bench.Config, overrides=[f"prompts={prompts}", f"target={chat_target}", f"output={out}",
+                                                  "methods=plain,hf_assisted", "temperatures=0.0", "max_new_tokens=2",
+                                                  "repeats=1", "warmup=0", "device=cpu"])
+    with caplog.at_level("WARNING", logger="eaglekit.stages.bench"):
+        result = bench.run(config)
+    assert [r["method"] for r in result["rows"]] == ["plain"]
+    assert result["skipped"] == [{"method": "hf_assisted", "reason": bench.NO_ASSISTANT}]
+    assert json.loads((out / "bench.json").read_text())["skipped"] == result["skipped"]
+    assert f"hf_assisted: skipped, {bench.NO_ASSISTANT}." in (out / "bench.md").read_text()
+    assert "bench: hf_assisted skipped: no assistant= given" in caplog.text

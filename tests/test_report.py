@@ -242,3 +242,43 @@ def test_the_learned_nothing_warning_fires_at_its_thresholds_and_not_above():
     assert learned_nothing({"val_accuracy": 0.5, "tau": 1.3}) is None
     assert mismatch in learned_nothing({"val_accuracy": 0.5, "tau": 1.2})  # half the first drafts promised, a fifth
     assert mismatch in learned_nothing({"val_accuracy": 0.26, "tau": 1.05})
+
+
+def test_a_flagged_speedup_is_never_the_headline(tmp_path):
+    """A T=0 speed-up above tau (bench's flag after its extra rounds) is shown as not measurable, with its figures,
+    and the headline takes the fastest method whose speed-up is not flagged; with none, it says so."""
+    out = tmp_path / "run"
+    synthetic_run(out, "t")
+    measured = {"repeats": 3, "rounds": 3, "baseline": "plain"}
+    rows = [{"method": "plain", "temperature": 0.0, "tokens_per_second": 10.0, "ms_per_token": 100.0, "speedup": 1.0,
+             "speedup_spread": [1.0, 1.0], "tokens_per_second_spread": [9.0, 11.0], "flags": [], **measured},
+            {"method": "chain", "temperature": 0.0, "tokens_per_second": 12.0, "ms_per_token": 83.3, "tau": 2.1,
+             "speedup": 1.2, "speedup_spread": [1.15, 1.25], "tokens_per_second_spread": [11.0, 13.0], "flags": [],
+             "acceptance_per_position": [0.6, 0.4, 0.1], **measured},
+            {"method": "tree", "temperature": 0.0, "tokens_per_second": 63.7, "ms_per_token": 15.7, "tau": 3.22,
+             "speedup": 6.37, "speedup_spread": [0.95, 6.5], "tokens_per_second_spread": [13.5, 65.0],
+             "flags": ["speedup_above_tau", "spread_wider_than_gap"], "acceptance_per_position": [0.9, 0.8, 0.5],
+             **measured}]
+    bench = json.loads((out / "bench" / "bench.json").read_text())
+    bench.update(rows=rows, skipped=[{"method": "hf_assisted", "reason": "no assistant= given"}])
+    dump(out / "bench" / "bench.json", bench)
+    report = write_report(out)
+    text = report.path.read_text()
+    assert report.headline["method"] == "chain" and report.headline["speedup"] == 1.2
+    assert report.headline["not_measurable"][0]["method"] == "tree"
+    assert "**Headline:** tau 2.10 (chain, T=0), speed-up 1.20x vs plain (1.15-1.25 over 3 repeats);" in text
+    assert "6.37" not in text.split("## Decoding")[0]  # nowhere above the decoding table
+    assert "| chain | 0 | 12.0 (11.0-13.0) | 83.30 | 1.20x vs plain (1.15-1.25) |" in text
+    assert "| tree | 0 | 63.7 (13.5-65.0) | 15.70 | not measurable here (above tau" in text
+    assert ("**tree at T=0: speed-up not measurable on this machine under its load** after 3 round(s) of "
+            "measurement: 6.37x vs plain (0.95-6.50), tau 3.22; above tau") in text
+    assert "hf_assisted: skipped, no assistant= given." in text
+
+    rows[1].update(flags=["spread_wider_than_gap"], speedup_spread=[0.98, 1.25])  # every drafting method flagged: no speed-up in the headline
+    dump(out / "bench" / "bench.json", bench)
+    report = write_report(out)
+    assert report.headline["method"] == "tree" and report.headline["speedup"] is None
+    headline = next(line for line in report.path.read_text().splitlines() if line.startswith("**Headline:**"))
+    assert headline.startswith("**Headline:** tau 3.22 (tree, T=0), speed-up not measurable on this machine under "
+                               "its load (chain 1.20x vs plain (0.98-1.25), tau 2.10: the repeats' spread reaches 1x")
+    assert "tree 6.37x vs plain (0.95-6.50), tau 3.22: above tau" in headline

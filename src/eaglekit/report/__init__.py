@@ -18,11 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from eaglekit.manifest import atomic_write_text, read_manifest
+from eaglekit.report.bench import (VLLM_DRAFTER_ROWS, bench_headline, bench_markdown, bench_notes, bench_table,
+                                   speedup_text, vllm_checks_markdown, vllm_lossless_markdown, vllm_sweep_markdown)
+from eaglekit.report.bench import fmt as _fmt
 from eaglekit.report.plots import plot_acceptance, plot_training
 from eaglekit.report import confidence
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ACCEPTANCE_PLOT", "TRAINING_PLOT", "VLLM_DRAFTER_ROWS", "Report", "bench_markdown", "bench_notes",
+           "bench_table", "collect", "headline", "headline_text", "launch_commands", "plot_acceptance", "plot_training",
+           "read_metrics", "vllm_checks_markdown", "vllm_lossless_markdown", "vllm_sweep_markdown", "write_report"]
 TRAINING_PLOT, ACCEPTANCE_PLOT = "report-training.png", "report-acceptance.png"
 
 
@@ -130,99 +136,10 @@ def collect(out: str | Path) -> dict[str, Any]:
 
 # ---- numbers ------------------------------------------------------------------------------------
 
-def bench_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Bench rows with `speedup` = tokens/s over plain decoding's (else HF generate's) at the same temperature."""
-    table = []
-    for row in rows:
-        names = ("vllm_plain",) if row["method"].startswith("vllm_") else ("plain", "hf")  # an engine against itself
-        base = next((r for name in names for r in rows if r["method"] == name
-                     and r["temperature"] == row["temperature"]), None)
-        speed, base_speed = row.get("tokens_per_second"), base.get("tokens_per_second") if base else None
-        table.append({**row, "baseline": base["method"] if base else None,
-                      "speedup": speed / base_speed if speed and base_speed else None})
-    return table
-
-
-def bench_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """Bench rows as a markdown table (speed-up over `bench_table`'s baseline; failed rows name their error)."""
-    lines = ["| method | T | tokens/s | ms/token | speed-up | decode-phase tokens/s | tau | acceptance per position |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in bench_table(rows):
-        if "error" in r:
-            lines.append(f"| {r['method']} | {r['temperature']:g} | failed: {r['error'][:100]} | | | | | |")
-            continue
-        speedup = f"{r['speedup']:.2f}x vs {r['baseline']}" if r["speedup"] else "n/a"
-        rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {_fmt(r.get('tokens_per_second'), '.1f')} | "
-                     f"{_fmt(r.get('ms_per_token'), '.2f')} | {speedup} | "
-                     f"{_fmt(r.get('decode_tokens_per_second'), '.1f')} | "
-                     f"{_fmt(r.get('tau'), '.2f') if 'tau' in r else ''} | {rates} |")
-    return lines
-
-
-VLLM_DRAFTER_ROWS = ("vllm_eagle3", "vllm_dflash")  # bench's vLLM run with the drafter, by the method serving it
-
-
-def vllm_sweep_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """The served-by-vLLM concurrency sweep of bench rows: tokens/s without and with the drafter, speed-up, tau."""
-    by_name = {r["method"]: r for r in rows if r.get("engine") == "vllm" and "error" not in r and r["temperature"] == 0}
-    plain = by_name.get("vllm_plain")
-    eagle = next((by_name[name] for name in VLLM_DRAFTER_ROWS if name in by_name), None)
-    if not plain or not eagle or not eagle.get("concurrency"):
-        return []
-    plain_levels = {level["concurrency"]: level for level in plain.get("concurrency", [])}
-    lines = [f"vLLM {eagle.get('engine_version')} served (`vllm serve`, T=0), output tokens/s by requests in flight:",
-             "",
-             f"| concurrency | requests | vllm_plain tokens/s | {eagle['method']} tokens/s | speed-up | tau (served) |",
-             "|---|---|---|---|---|---|"]
-    for level in eagle["concurrency"]:
-        base = plain_levels.get(level["concurrency"], {})
-        speed, base_speed = level.get("tokens_per_second"), base.get("tokens_per_second")
-        speedup = f"{speed / base_speed:.2f}x" if speed and base_speed else "n/a"
-        lines.append(f"| {level['concurrency']} | {level['requests']} | {_fmt(base_speed, '.1f')} | "
-                     f"{_fmt(speed, '.1f')} | {speedup} | {_fmt(level.get('tau'), '.3f')} |")
-    return lines
-
-
-def vllm_lossless_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per vLLM temperature: did the drafter keep vLLM's own output (T=0: the same ids per prompt;
-    T > 0: the same distribution of the first speculative step's tokens)?"""
-    lines = []
-    for row in rows:
-        if row.get("method") not in VLLM_DRAFTER_ROWS or "error" in row:
-            continue
-        check = row.get("distribution")
-        if check:
-            verdict = "follows" if check["matches_plain"] else "does NOT follow"
-            lines.append(f"- T={row['temperature']:g}: vLLM's output with the drafter {verdict} its plain output's "
-                         f"distribution (p = {check['p_value']:.2g}, {check['samples'][1]} samples x "
-                         f"{check['positions']} positions; a lossless engine passes unless p < {check['alpha']:g})"
-                         + ("" if check["matches_plain"] else ": its speculative sampling is not lossless here, "
-                            "and its tau is not the acceptance of the target's own samples"))
-        elif "outputs_equal_plain" in row:
-            lines.append(f"- T={row['temperature']:g}: vLLM's output with the drafter equals its plain greedy output "
-                         f"on {row['outputs_equal_plain']:.0%} of the prompts")
-    return lines
-
-
-def vllm_checks_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """What bench.md and the report add after the rows for vLLM: the lossless lines, then the served sweep, each
-    behind a blank line (nothing when the bench ran no vLLM)."""
-    lines: list[str] = []
-    for part in (vllm_lossless_markdown(rows), vllm_sweep_markdown(rows)):
-        lines += ["", *part] if part else []
-    return lines
-
-
 def headline(info: dict[str, Any]) -> dict[str, Any]:
-    """tau and speed-up of the fastest EAGLE-3 method at the lowest temperature measured, and the val accuracy."""
-    result: dict[str, Any] = {}
-    rows = [r for r in bench_table((info.get("bench") or {}).get("rows", [])) if "tau" in r]
-    if rows:
-        coolest = min(r["temperature"] for r in rows)
-        best = max((r for r in rows if r["temperature"] == coolest), key=lambda r: r["speedup"] or 0.0)
-        result.update(method=best["method"], temperature=best["temperature"], tau=best["tau"], speedup=best["speedup"],
-                      baseline=best["baseline"])
+    """tau and speed-up of the fastest EAGLE-3 method at the lowest temperature measured (never a flagged speed-up:
+    `eaglekit.report.bench.bench_headline`), and the val accuracy."""
+    result: dict[str, Any] = bench_headline((info.get("bench") or {}).get("rows", []))
     val = ((info.get("train") or {}).get("val") or {})
     if val.get("acc_k"):
         result.update(val_accuracy=val["acc_k"][0], val_accuracy_per_position=val["acc_k"], val_tau=val.get("tau"))
@@ -232,19 +149,11 @@ def headline(info: dict[str, Any]) -> dict[str, Any]:
 def headline_text(numbers: dict[str, Any]) -> str:
     parts = []
     if "tau" in numbers:
-        speedup = (f"{numbers['speedup']:.2f}x vs {numbers['baseline']}" if numbers.get("speedup")
-                   else "no baseline measured")
         parts.append(f"tau {numbers['tau']:.2f} ({numbers['method']}, "
-                     f"T={numbers['temperature']:g}), speed-up {speedup}")
+                     f"T={numbers['temperature']:g}), speed-up {speedup_text(numbers)}")
     if "val_accuracy" in numbers:
         parts.append(f"val accuracy (first draft position) {numbers['val_accuracy']:.3f}")
     return "; ".join(parts) if parts else "no headline numbers (bench and train were not run)"
-
-
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
 # ---- sections -----------------------------------------------------------------------------------
@@ -337,9 +246,9 @@ def _section_decoding(info: dict[str, Any], plotted: bool) -> list[str]:
         return lines + ["Not run or not finished (no bench/bench.json)."]
     config = bench.get("config") or {}
     lines.append(f"{bench.get('num_prompts')} prompts from `{config.get('prompts')}`, "
-                 f"{config.get('max_new_tokens')} new tokens each, median of {config.get('repeats')} runs, backend "
-                 f"{bench.get('backend')}, device {config.get('device')}.")
-    lines += ["", *bench_markdown(bench.get("rows", []))]
+                 f"{config.get('max_new_tokens')} new tokens each, {config.get('repeats')} passes (medians over them), "
+                 f"backend {bench.get('backend')}, device {config.get('device')}.")
+    lines += ["", *bench_markdown(bench.get("rows", [])), *bench_notes(bench.get("rows", []), bench.get("skipped", []))]
     if plotted:
         lines += ["", f"![acceptance per position]({ACCEPTANCE_PLOT})"]
     if len(info["drafter_types"]) > 1:

@@ -121,7 +121,8 @@ def headline_notes(numbers: dict[str, Any], info: dict[str, Any], target: str) -
     if "tau" in numbers:
         lines.append("tau = tokens produced per target forward (accepted drafts + the one the target adds; 1.00 = "
                      "nothing accepted); speed-up = tokens/s against plain decoding of the same target on the same "
-                     "device.")
+                     "device, run beside it prompt by prompt (median over the repeats, with their min-max). At T=0 "
+                     "it cannot pass tau: one that does is load or a bug, and is not shown as a result.")
     drafter_config = (info.get("train") or {}).get("drafter_config") or {}
     note = speedup_note(numbers, info.get("bench") or {}, target_step_parameters(target),
                         drafter_step_parameters(drafter_config))

@@ -7,8 +7,12 @@ Methods (`methods=`): plain (eaglekit's own plain decoding, fast path when the t
 (`model.generate`), hf_assisted (HF assisted generation with `assistant=`, skipped without one),
 hf_prompt_lookup (HF prompt-lookup decoding), chain and tree (eaglekit EAGLE-3). Each runs at every
 temperature in `temperatures=`. Before timing, the HF methods run the first `warmup` prompts once
-untimed and eaglekit's methods every prompt (warmup=0: none); every timed prompt is run `repeats` times
-and the median is kept. Writes bench.json, bench.md and bench.png to `output`.
+untimed and eaglekit's methods every prompt (warmup=0: none). Then the methods run interleaved: prompt by
+prompt, every method back to back in a rotating order, `repeats` passes over the prompts; figures are medians
+over the passes with their spread, and speed-ups are paired with plain decoding's in the same pass
+(eaglekit.stages.bench.timing). A T=0 speed-up above tau, or a spread that reaches plain's 1x, is flagged and
+measured again (`remeasure=` more rounds at most); one still flagged is reported as not measurable. Writes
+bench.json, bench.md and bench.png to `output`.
 
 `engine=vllm` adds the real vLLM's figures on the same prompt ids (rows `vllm_plain`, `vllm_eagle3` at T=0 and
 at each temperature above 0): tau and acceptance per position from vLLM's own spec-decode counters, whether the
@@ -22,25 +26,22 @@ drafter kept vLLM's own output (T=0: the same ids; T > 0: the same distribution)
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eaglekit import registry
 from eaglekit.config import check_options, option, save_resolved, to_dict
-from eaglekit.config.decode import CHAIN_METHODS, DecodeOptions
+from eaglekit.config.decode import DecodeOptions
 from eaglekit.errors import EaglekitError
-
-if TYPE_CHECKING:
-    from eaglekit.decode import DecodeStats
+from eaglekit.stages.bench.measure import DRAFTER_METHODS, _Runner, measure_temperature
 
 log = logging.getLogger(__name__)
 
 POSITIONAL = ("prompts",)
 DEFAULT_METHODS = ("plain", "hf", "hf_assisted", "hf_prompt_lookup", "chain", "tree")
-DRAFTER_METHODS = registry.method_names()  # need drafter=: every drafter type's methods
+NO_ASSISTANT = ("no assistant= given: HF assisted generation needs a small draft model with the target's tokenizer "
+                "(assistant=MODEL)")
 ALL_METHODS = tuple(dict.fromkeys((*DEFAULT_METHODS, *DRAFTER_METHODS)))
 
 
@@ -59,7 +60,11 @@ class Config:
     temperatures: tuple[float, ...] = option((0.0, 1.0), "temperatures to measure at", min=0)
     num_prompts: int = option(0, "use the first N prompts (0 = all)", min=0)
     max_new_tokens: int = option(128, "tokens generated per prompt", min=1)
-    repeats: int = option(3, "timed runs per prompt (median kept)", min=1)
+    repeats: int = option(3, "timed passes over the prompts, every method back to back on each prompt in a rotating "
+                             "order (figures: median and min-max spread over the passes)", min=1)
+    remeasure: int = option(2, "extra rounds of `repeats` passes at a temperature whose figures are flagged (a T=0 "
+                               "speed-up above tau, a spread that reaches plain's 1x); still flagged after them: "
+                               "reported as not measurable", min=0)
     warmup: int = option(1, "HF methods: prompts run once untimed before timing; eaglekit's methods warm up on "
                             "all (0 = no warm-up)", min=0)
     assistant: str = option("", "small draft model (same tokenizer) for HF assisted generation")
@@ -90,86 +95,6 @@ class Config:
                                          above=0)
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Runner:
-    """Runs one method on one prompt -> (new tokens, seconds, the decoder's `DecodeStats` or None for HF)."""
-
-    def __init__(self, config: Config, target, drafter, assistant, tokenizer, eos, backend, device, max_prompt: int):
-        self.config, self.target, self.drafter, self.assistant = config, target, drafter, assistant
-        self.tokenizer, self.eos, self.device = tokenizer, eos, device
-        from eaglekit.decode import Decoder
-
-        longest = max_prompt + config.max_new_tokens + max(config.total_tokens, config.chain_length) + 2
-        self.decoder = Decoder(target, drafter, backend, config.compile and device.type == "cuda", max_length=longest)
-
-    def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, "DecodeStats | None"]:
-        import torch
-
-        _sync(self.device)
-        start = time.perf_counter()
-        if method.startswith("hf"):
-            kwargs: dict[str, Any] = {"do_sample": temperature > 0, "max_new_tokens": self.config.max_new_tokens,
-                                      "eos_token_id": list(self.eos) or None,
-                                      "pad_token_id": self.tokenizer.pad_token_id or 0}
-            if temperature > 0:
-                kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
-            if method == "hf_assisted":
-                kwargs["assistant_model"] = self.assistant
-            if method == "hf_prompt_lookup":
-                kwargs["prompt_lookup_num_tokens"] = self.config.prompt_lookup_num_tokens
-            prompt = torch.tensor([ids], device=self.device)
-            out = self.target.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
-            _sync(self.device)
-            return out.shape[1] - len(ids), time.perf_counter() - start, None
-        c = self.config
-        result = self.decoder.generate(ids, c.max_new_tokens, method=method, temperature=temperature, depth=c.depth,
-                                       tree_top_k=c.tree_top_k,
-                          total_tokens=c.total_tokens, chain_length=c.chain_length, eos_token_ids=self.eos, seed=c.seed)
-        _sync(self.device)
-        return len(result.tokens), time.perf_counter() - start, result.stats
-
-
-def _measure(runner: _Runner, method: str, temperature: float, prompts: list[list[int]],
-             config: Config) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    # eaglekit's own methods warm up on every prompt (a pass takes about a second on a GPU): the first prefill
-    # of each prompt length pays one-time costs that must not land on whichever method runs first
-    for ids in prompts if config.warmup and not method.startswith("hf") else prompts[: config.warmup]:
-        runner(method, ids, temperature)
-    tokens, seconds, accepted, prefill, forwards, discarded = 0, 0.0, [], 0.0, 0, 0
-    for ids in tqdm(prompts, desc=f"{method} T={temperature}", leave=False, disable=None):  # no bar off a terminal
-        runs = [runner(method, ids, temperature) for _ in range(config.repeats)]
-        tokens += runs[0][0]
-        seconds += statistics.median(r[1] for r in runs)
-        stats = runs[0][2]
-        if stats is not None:
-            accepted.extend(stats.accepted)
-            prefill += statistics.median(r[2].prefill_seconds for r in runs)
-            forwards += stats.target_forwards
-            discarded += stats.discarded_steps
-    depth = config.chain_length if method in CHAIN_METHODS else config.depth
-    row: dict[str, Any] = {"method": method, "temperature": temperature, "new_tokens": tokens, "seconds": seconds,
-                           "tokens_per_second": tokens / seconds if seconds else None,
-                           "ms_per_token": 1000 * seconds / tokens if tokens else None}
-    if not method.startswith("hf"):  # where the time goes: prompts' prefills, and target forwards per new token
-        decode = seconds - prefill
-        row.update(prefill_seconds=prefill, target_forwards=forwards,
-                   decode_tokens_per_second=tokens / decode if decode > 0 else None)
-    if method in DRAFTER_METHODS:
-        row["discarded_steps"] = discarded  # run a step ahead past a generation's end (fused loop): time, no tokens
-        steps = max(len(accepted), 1)
-        row["tau"] = sum(a + 1 for a in accepted) / steps
-        row["acceptance_per_position"] = [sum(a > i for a in accepted) / steps for i in range(depth)]
-    return row
-
-
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     from eaglekit.extras import pyplot
     from eaglekit.manifest import atomic_path
@@ -195,11 +120,16 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     left.set(xlabel="draft position", ylabel="accepted fraction of steps", title="acceptance per position",
              ylim=(0, 1.05))
     left.xaxis.get_major_locator().set_params(integer=True)  # positions are whole numbers
-    left.legend(fontsize=8)
+    if left.get_legend_handles_labels()[0]:  # no drafting method measured: no empty legend
+        left.legend(fontsize=8)
     labels = [f"{r['method']}\nT={r['temperature']:g}" for r in rows]
-    right.bar(range(len(rows)), [r["tokens_per_second"] or 0 for r in rows], color="tab:blue")
+    speeds = [r.get("tokens_per_second") or 0 for r in rows]
+    spreads = [r.get("tokens_per_second_spread") or [speed, speed] for r, speed in zip(rows, speeds)]
+    errors = [[speed - low for speed, (low, _) in zip(speeds, spreads)],
+              [high - speed for speed, (_, high) in zip(speeds, spreads)]]
+    right.bar(range(len(rows)), speeds, yerr=errors, capsize=3, color="tab:blue")
     right.set_xticks(range(len(rows)), labels, fontsize=7)
-    right.set(ylabel="tokens / s", title="decoding speed (median of repeats)")
+    right.set(ylabel="tokens / s", title="decoding speed (median of repeats, bars: min-max)")
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
@@ -216,13 +146,24 @@ def row_summary(row: dict[str, Any]) -> str:
         parts.append(f"{row['tokens_per_second']:.1f} tokens/s ({row['ms_per_token']:.1f} ms/token)")
     if row.get("acceptance_per_position"):
         parts.append("acceptance per position " + " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]))
+    if row.get("speedup") and row.get("baseline") not in (None, row["method"]):
+        low, high = row.get("speedup_spread") or (row["speedup"], row["speedup"])
+        parts.append(f"speed-up {row['speedup']:.2f}x vs {row['baseline']}"
+                     + (f" ({low:.2f}-{high:.2f} over {row['repeats']} repeats)" if row.get("repeats", 1) > 1 else "")
+                     + (f", NOT MEASURABLE here: {', '.join(row['flags'])}" if row.get("flags") else ""))
     return f"{head}: " + (", ".join(parts) or "no tokens generated")
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    from eaglekit.report import bench_markdown, vllm_checks_markdown
+def _table(rows: list[dict[str, Any]], skipped: list[dict[str, str]]) -> str:
+    from eaglekit.report import bench_markdown, bench_notes, vllm_checks_markdown
 
-    return "\n".join(bench_markdown(rows) + vllm_checks_markdown(rows)) + "\n"
+    return "\n".join(bench_markdown(rows) + bench_notes(rows, skipped) + vllm_checks_markdown(rows)) + "\n"
+
+
+def skipped_methods(config: Config) -> list[dict[str, str]]:
+    """Methods asked for that bench leaves out, with the reason (bench.json's `skipped`, a line under the table)."""
+    return [{"method": "hf_assisted", "reason": NO_ASSISTANT}] if "hf_assisted" in config.methods \
+        and not config.assistant else []
 
 
 def _check(config: Config) -> list[str]:
@@ -246,7 +187,7 @@ def _check(config: Config) -> list[str]:
 
 def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]], tokenizer, result: dict[str, Any],
                    output: Path) -> None:
-    """Measure eaglekit's own methods into result["rows"] (bench.json rewritten after each)."""
+    """Measure eaglekit's own methods into result["rows"] (bench.json rewritten after each round)."""
     from eaglekit.decode.setup import eos_ids, load_drafter, resolve_backend
     from eaglekit.manifest import atomic_write_json
     from eaglekit.runtime import resolve_device, resolve_dtype
@@ -263,14 +204,14 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
                      max(len(p) for p in prompts))
     rows = result["rows"]
     for temperature in config.temperatures:
-        for method in methods:
-            try:
-                rows.append(_measure(runner, method, temperature, prompts, config))
-            except Exception as error:  # noqa: BLE001 - one failing method must not lose the others' figures
-                log.exception("bench: %s at T=%g failed", method, temperature)
-                rows.append({"method": method, "temperature": temperature, "error": f"{type(error).__name__}: {error}"})
-            log.info("%s", row_summary(rows[-1]))
-            atomic_write_json(output / "bench.json", result)  # an interrupted bench keeps the rows measured so far
+        done = len(rows)
+
+        def save(measured: list[dict[str, Any]]) -> None:  # an interrupted bench keeps the rows measured so far
+            rows[done:] = measured
+            atomic_write_json(output / "bench.json", result)
+
+        for row in measure_temperature(runner, methods, temperature, prompts, config, save):
+            log.info("%s", row_summary(row))
 
 
 def _vllm_rows(config: Config, engine, prompts: list[list[int]], output: Path) -> list[dict[str, Any]]:
@@ -325,8 +266,12 @@ def run(config: Config) -> dict[str, Any]:
     prompts = [prompt_ids(tokenizer, prompt_messages(c)) for c in conversations]
     output = claim_output(config.output, "bench", config.overwrite)
     rows: list[dict[str, Any]] = []
-    result = {"rows": rows, "backend": None, "num_prompts": len(prompts), "config": to_dict(config),
-              "environment": environment(), "complete": False}
+    skipped = skipped_methods(config)
+    for entry in skipped:
+        log.warning("bench: %s skipped: %s", entry["method"], entry["reason"])
+    result = {"rows": rows, "skipped": skipped, "backend": None, "num_prompts": len(prompts),
+              "schedule": {"repeats": config.repeats, "max_rounds": 1 + config.remeasure, "interleaved": True},
+              "config": to_dict(config), "environment": environment(), "complete": False}
     if methods:
         _eaglekit_rows(config, methods, prompts, tokenizer, result, output)
     if engine is not None:
@@ -334,10 +279,10 @@ def run(config: Config) -> dict[str, Any]:
         rows.extend(_vllm_rows(config, engine, prompts, output))
     result["complete"] = True
     atomic_write_json(output / "bench.json", result)
-    atomic_write_text(output / "bench.md", _table(rows))
+    atomic_write_text(output / "bench.md", _table(rows, skipped))
     _plot(rows, output / "bench.png")
     save_resolved(config, output)
-    print(_table(rows))
+    print(_table(rows, skipped))
     failed = [f"{r['method']} T={r['temperature']:g} ({r['error']})" for r in rows if "error" in r]
     if failed:  # no manifest: a re-run must not take this bench for finished
         raise EaglekitError(f"bench: {len(failed)} method(s) failed, the others' figures are in {output}: "
