@@ -149,6 +149,7 @@ def test_drafter_types_train_on_one_store_and_are_benched_side_by_side(chat_targ
     for row in ("| eagle3 | chain | 2 | 0 |", "| p-eagle | parallel | 2 | 0 |", "| p-eagle | tree | tree ",
                 "| dflash | dflash | 2 | 0 |", "| dspark | dspark | 2 | 0 |"):
         assert row in report, row
+    assert "| dspark | dspark (verify >= 0.3) | 2 | 0 |" in report  # DSpark's confidence cuts beside its chain
     assert "### Confidence (DSpark)" in report and "`train-dspark/`: confidence calibrated on" in report
     assert "| position | blocks | survived | temperature | ECE raw | ECE | AUC raw | AUC |" in report
     assert set(statuses(run_stage.run(config)).values()) == {"skipped"}

@@ -19,7 +19,8 @@ from typing import Any
 
 from eaglekit.manifest import atomic_write_text, read_manifest
 from eaglekit.report.bench import (VLLM_DRAFTER_ROWS, bench_headline, bench_markdown, bench_notes, bench_table,
-                                   speedup_text, vllm_checks_markdown, vllm_lossless_markdown, vllm_sweep_markdown)
+                                   confidence_markdown, speedup_text, vllm_checks_markdown, vllm_lossless_markdown,
+                                   vllm_sweep_markdown)
 from eaglekit.report.bench import fmt as _fmt
 from eaglekit.report.plots import plot_acceptance, plot_training
 from eaglekit.report import confidence
@@ -248,7 +249,8 @@ def _section_decoding(info: dict[str, Any], plotted: bool) -> list[str]:
     lines.append(f"{bench.get('num_prompts')} prompts from `{config.get('prompts')}`, "
                  f"{config.get('max_new_tokens')} new tokens each, {config.get('repeats')} passes (medians over them), "
                  f"backend {bench.get('backend')}, device {config.get('device')}.")
-    lines += ["", *bench_markdown(bench.get("rows", [])), *bench_notes(bench.get("rows", []), bench.get("skipped", []))]
+    lines += ["", *bench_markdown(bench.get("rows", [])), *confidence_markdown(bench.get("rows", [])),
+              *bench_notes(bench.get("rows", []), bench.get("skipped", []))]
     if plotted:
         lines += ["", f"![acceptance per position]({ACCEPTANCE_PLOT})"]
     if len(info["drafter_types"]) > 1:

@@ -61,16 +61,39 @@ def speedup_cell(row: dict[str, Any]) -> str:
     return figure
 
 
+def method_name(row: dict[str, Any]) -> str:
+    """A row's method as a table shows it: with its confidence cut, if it was measured with one."""
+    threshold = row.get("verify_threshold")
+    return f"{row['method']} (verify >= {threshold:g})" if threshold else row["method"]
+
+
+def confidence_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The confidence-cut sweep (bench `verify_thresholds=`): per threshold, the drafts verified per step, the share
+    of them accepted, tau and the speed-up; nothing when no row has the figures."""
+    swept = [r for r in bench_table(rows) if "verified_per_step" in r]
+    if not swept:
+        return []
+    lines = ["", "Confidence cut (`verify_threshold`: only the drafts whose calibrated survival reaches it are "
+                 "verified; the output is the same):", "",
+             "| method | T | verify_threshold | drafts verified per step | accepted of verified | tau | speed-up |",
+             "|---|---|---|---|---|---|---|"]
+    for r in swept:
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('verify_threshold') or 0:g} | "
+                     f"{r['verified_per_step']:.2f} | {fmt(r.get('accepted_of_verified'), '.2f')} | "
+                     f"{fmt(r.get('tau'), '.2f')} | {speedup_cell(r)} |")
+    return lines
+
+
 def bench_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """Bench rows as a markdown table (speed-up over `bench_table`'s baseline; failed rows name their error)."""
     lines = ["| method | T | tokens/s | ms/token | speed-up | decode-phase tokens/s | tau | acceptance per position |",
              "|---|---|---|---|---|---|---|---|"]
     for r in bench_table(rows):
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['temperature']:g} | failed: {r['error'][:100]} | | | | | |")
+            lines.append(f"| {method_name(r)} | {r['temperature']:g} | failed: {r['error'][:100]} | | | | | |")
             continue
         rates = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {fmt(r.get('tokens_per_second'), '.1f')}"
+        lines.append(f"| {method_name(r)} | {r['temperature']:g} | {fmt(r.get('tokens_per_second'), '.1f')}"
                      f"{_spread(r, 'tokens_per_second_spread', '.1f')} | "
                      f"{fmt(r.get('ms_per_token'), '.2f')} | {speedup_cell(r)} | "
                      f"{fmt(r.get('decode_tokens_per_second'), '.1f')} | "
@@ -89,7 +112,7 @@ def bench_notes(rows: list[dict[str, Any]], skipped: list[dict[str, str]]) -> li
     for r in rows:
         if r.get("flags"):
             low, high = r.get("speedup_spread") or (r["speedup"], r["speedup"])
-            lines.append(f"**{r['method']} at T={r['temperature']:g}: speed-up not measurable on this machine under "
+            lines.append(f"**{method_name(r)} at T={r['temperature']:g}: speed-up not measurable on this machine under "
                          f"its load** after {r.get('rounds', 1)} round(s) of measurement: {r['speedup']:.2f}x vs "
                          f"{r['baseline']} ({low:.2f}-{high:.2f})"
                          + (f", tau {r['tau']:.2f}" if "tau" in r else "") + "; "

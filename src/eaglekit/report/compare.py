@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from eaglekit.report.bench import method_name
+
 
 def side_by_side(plain_rows: list[dict[str, Any]], sources: list[tuple[str, dict[str, Any], list[dict[str, Any]]]]
                  ) -> list[dict[str, Any]]:
@@ -27,7 +29,8 @@ def side_by_side(plain_rows: list[dict[str, Any]], sources: list[tuple[str, dict
             speedup = r["speedup"] if paired else r["tokens_per_second"] / base if base else None
             flags = list(r.get("flags") or []) if paired else (  # another bench's plain: not paired, only checked
                 ["speedup_above_tau"] if speedup and r["temperature"] == 0 and speedup > r["tau"] else [])
-            rows.append({"drafter": drafter, "method": r["method"], "drafts": drafts, "temperature": r["temperature"],
+            rows.append({"drafter": drafter, "method": method_name(r), "drafts": drafts,
+                         "temperature": r["temperature"],
                          "tokens_per_second": r["tokens_per_second"], "speedup_vs_plain": speedup, "tau": r["tau"],
                          "acceptance_per_position": r.get("acceptance_per_position") or [], "flags": flags})
     return rows

@@ -13,6 +13,9 @@ from eaglekit.drafters.dflash import DFlashType
 from eaglekit.registry import EngineMarker, Method
 
 
+CUT_SWEEP = (0.3, 0.6)  # the confidence cuts a run's bench measures beside the uncut chain
+
+
 class DSparkType(DFlashType):
     def drafter_class(self) -> Any:
         from eaglekit.drafters.dspark.model import DSparkDrafter
@@ -86,7 +89,8 @@ class DSparkType(DFlashType):
         from eaglekit.drafters.dspark.model import DEFAULT_BLOCK_SIZE
 
         block = train.block_size or DEFAULT_BLOCK_SIZE
-        return {"chain_length": block if train.sample_from_anchor else block - 1}  # the whole block
+        chosen = {"chain_length": block if train.sample_from_anchor else block - 1}  # the whole block
+        return {**chosen, "verify_thresholds": CUT_SWEEP} if train.confidence_head else chosen
 
 
 TYPE = DSparkType(

@@ -34,7 +34,7 @@ from eaglekit import registry
 from eaglekit.config import check_options, option, save_resolved, to_dict
 from eaglekit.config.decode import DecodeOptions
 from eaglekit.errors import EaglekitError
-from eaglekit.stages.bench.measure import DRAFTER_METHODS, _Runner, measure_temperature
+from eaglekit.stages.bench.measure import DRAFTER_METHODS, _Runner, cut_label, measure_temperature, row_label
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,12 @@ class Config:
     depth: int = option(DecodeOptions.depth, "tree: draft levels", min=1)
     tree_top_k: int = option(DecodeOptions.tree_top_k, "tree: children per node and nodes expanded per level", min=1)
     total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward", min=1)
-    chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash: draft tokens per target forward",
-                               min=1)
+    chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash, dspark: draft tokens per target "
+                               "forward", min=1)
+    verify_thresholds: tuple[float, ...] = option((), "a method with a confidence cut (dspark): also measure it at "
+                                                  "each of these verify_threshold values (its rows: drafts verified "
+                                                  "per step and the accepted share of them; 0 = every draft)",
+                                                  min=0, max=1)
     backend: str = option("auto", "eaglekit backend: auto, eager or static", choices=("auto", "eager", "static"))
     compile: bool = option(True, "torch.compile + CUDA graphs for eaglekit's fixed-shape static-backend steps (GPU "
                                  "only; ignored on CPU)")
@@ -138,7 +142,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def row_summary(row: dict[str, Any]) -> str:
     """One readable line for a bench row (bench.json keeps every field): method, T, tau, speed, acceptance."""
-    head = f"bench: {row['method']} at T={row['temperature']:g}"
+    head = f"bench: {row_label(row)} at T={row['temperature']:g}"
     if "error" in row:
         return f"{head} failed: {row['error']}"
     parts = [f"tau {row['tau']:.2f}"] if "tau" in row else []
@@ -146,6 +150,9 @@ def row_summary(row: dict[str, Any]) -> str:
         parts.append(f"{row['tokens_per_second']:.1f} tokens/s ({row['ms_per_token']:.1f} ms/token)")
     if row.get("acceptance_per_position"):
         parts.append("acceptance per position " + " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]))
+    if "verified_per_step" in row:
+        parts.append(f"{row['verified_per_step']:.2f} drafts verified per step, "
+                     f"{row['accepted_of_verified'] or 0:.2f} of them accepted")
     if row.get("speedup") and row.get("baseline") not in (None, row["method"]):
         low, high = row.get("speedup_spread") or (row["speedup"], row["speedup"])
         parts.append(f"speed-up {row['speedup']:.2f}x vs {row['baseline']}"
@@ -156,8 +163,10 @@ def row_summary(row: dict[str, Any]) -> str:
 
 def _table(rows: list[dict[str, Any]], skipped: list[dict[str, str]]) -> str:
     from eaglekit.report import bench_markdown, bench_notes, vllm_checks_markdown
+    from eaglekit.report.bench import confidence_markdown
 
-    return "\n".join(bench_markdown(rows) + bench_notes(rows, skipped) + vllm_checks_markdown(rows)) + "\n"
+    return "\n".join(bench_markdown(rows) + confidence_markdown(rows) + bench_notes(rows, skipped)
+                     + vllm_checks_markdown(rows)) + "\n"
 
 
 def skipped_methods(config: Config) -> list[dict[str, str]]:
@@ -182,7 +191,23 @@ def _check(config: Config) -> list[str]:
         raise EaglekitError("engine=vllm serves the target with the drafter: pass drafter=DIR")
     if not methods and config.engine != "vllm":
         raise EaglekitError("no methods to measure: pass methods=plain,chain,... (an empty list only with engine=vllm)")
+    if config.verify_thresholds:
+        cut = [m for m in methods if m in DRAFTER_METHODS and registry.speculative_method(m).confidence]
+        if not cut:
+            raise EaglekitError(f"verify_thresholds={','.join(f'{t:g}' for t in config.verify_thresholds)} sweeps the "
+                                f"confidence cut of a method that has one, and methods={','.join(methods)} has none: "
+                                "add method dspark (with a DSpark drafter), or drop verify_thresholds")
     return methods
+
+
+def _labels(config: Config, methods: list[str]) -> list[str]:
+    """What bench runs: each method, and a method with a confidence cut once more at each of `verify_thresholds`."""
+    labels = []
+    for method in methods:
+        labels.append(method)
+        if method in DRAFTER_METHODS and registry.speculative_method(method).confidence:
+            labels += [cut_label(method, t) for t in config.verify_thresholds if t > 0]
+    return labels
 
 
 def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]], tokenizer, result: dict[str, Any],
@@ -210,7 +235,7 @@ def _eaglekit_rows(config: Config, methods: list[str], prompts: list[list[int]],
             rows[done:] = measured
             atomic_write_json(output / "bench.json", result)
 
-        for row in measure_temperature(runner, methods, temperature, prompts, config, save):
+        for row in measure_temperature(runner, _labels(config, methods), temperature, prompts, config, save):
             log.info("%s", row_summary(row))
 
 
@@ -283,7 +308,7 @@ def run(config: Config) -> dict[str, Any]:
     _plot(rows, output / "bench.png")
     save_resolved(config, output)
     print(_table(rows, skipped))
-    failed = [f"{r['method']} T={r['temperature']:g} ({r['error']})" for r in rows if "error" in r]
+    failed = [f"{row_label(r)} T={r['temperature']:g} ({r['error']})" for r in rows if "error" in r]
     if failed:  # no manifest: a re-run must not take this bench for finished
         raise EaglekitError(f"bench: {len(failed)} method(s) failed, the others' figures are in {output}: "
                             + "; ".join(failed))

@@ -24,6 +24,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAFTER_METHODS = registry.method_names()  # need drafter=: every drafter type's methods
+CUT = "@"  # a method measured with a confidence cut: "dspark@0.3" (bench's `verify_thresholds`)
+
+
+def cut_label(method: str, threshold: float) -> str:
+    """The name a method measured with `verify_threshold=threshold` runs under (the method itself at 0)."""
+    return f"{method}{CUT}{threshold:g}" if threshold > 0 else method
+
+
+def split_label(label: str) -> tuple[str, float]:
+    """(method, verify_threshold) of a name `cut_label` made."""
+    method, _, threshold = label.partition(CUT)
+    return method, float(threshold or 0.0)
+
+
+def row_label(row: dict[str, Any]) -> str:
+    return cut_label(row["method"], row.get("verify_threshold") or 0.0)
 Runner = Callable[[str, list[int], float], tuple[int, float, Any]]  # (method, prompt ids, T) -> tokens, s, stats
 
 
@@ -45,9 +61,10 @@ class _Runner:
         longest = max_prompt + config.max_new_tokens + max(config.total_tokens, config.chain_length) + 2
         self.decoder = Decoder(target, drafter, backend, config.compile and device.type == "cuda", max_length=longest)
 
-    def __call__(self, method: str, ids: list[int], temperature: float) -> tuple[int, float, "DecodeStats | None"]:
+    def __call__(self, label: str, ids: list[int], temperature: float) -> tuple[int, float, "DecodeStats | None"]:
         import torch
 
+        method, threshold = split_label(label)
         _sync(self.device)
         start = time.perf_counter()
         if method.startswith("hf"):
@@ -67,20 +84,25 @@ class _Runner:
         c = self.config
         result = self.decoder.generate(ids, c.max_new_tokens, method=method, temperature=temperature, depth=c.depth,
                                        tree_top_k=c.tree_top_k, total_tokens=c.total_tokens,
-                                       chain_length=c.chain_length, eos_token_ids=self.eos, seed=c.seed)
+                                       chain_length=c.chain_length, verify_threshold=threshold,
+                                       eos_token_ids=self.eos, seed=c.seed)
         _sync(self.device)
         return len(result.tokens), time.perf_counter() - start, result.stats
 
 
-def method_row(method: str, temperature: float, measured: Measured, baseline: str | None, config) -> dict[str, Any]:
-    """bench.json's row of one method: the timing figures and flags, and (eaglekit's methods) where the time goes
-    and the acceptance, from the first repeat's decoder statistics (the same at every repeat at a fixed seed)."""
-    numbers = figures(measured, method, baseline)
-    runs = by_repeat(measured, method)
+def method_row(label: str, temperature: float, measured: Measured, baseline: str | None, config) -> dict[str, Any]:
+    """bench.json's row of one method (`label`: its name, with a confidence cut `cut_label`'s): the timing figures
+    and flags, and (eaglekit's methods) where the time goes and the acceptance, from the first repeat's decoder
+    statistics (the same at every repeat at a fixed seed); with a confidence cut, the drafts verified per step."""
+    numbers = figures(measured, label, baseline)
+    runs = by_repeat(measured, label)
+    method, threshold = split_label(label)
     first = list(next(iter(runs.values())).values())
     tokens, seconds, rate = sum(t.tokens for t in first), numbers.pop("seconds"), numbers["tokens_per_second"]
     row: dict[str, Any] = {"method": method, "temperature": temperature, "new_tokens": tokens, "seconds": seconds,
                            **numbers, "ms_per_token": 1000 / rate if rate else None}
+    if threshold:
+        row["verify_threshold"] = threshold
     stats = [t.stats for t in first if t.stats is not None]
     if not method.startswith("hf"):  # where the time goes: prompts' prefills, and target forwards per new token
         prefill = 0.0
@@ -98,7 +120,11 @@ def method_row(method: str, temperature: float, measured: Measured, baseline: st
         depth = config.chain_length if method in CHAIN_METHODS else config.depth
         row["tau"] = sum(a + 1 for a in accepted) / steps
         row["acceptance_per_position"] = [sum(a > i for a in accepted) / steps for i in range(depth)]
-    row["flags"] = [] if method == baseline else flags(temperature, row["speedup"], row["speedup_spread"],
+        if config.verify_thresholds and registry.speculative_method(method).confidence:  # the sweep's figures
+            verified = [v for s in stats for v in s.verified] or [depth] * len(accepted)  # no cut: every draft
+            row["verified_per_step"] = sum(verified) / max(len(verified), 1)
+            row["accepted_of_verified"] = sum(accepted) / sum(verified) if sum(verified) else None
+    row["flags"] = [] if label == baseline else flags(temperature, row["speedup"], row["speedup_spread"],
                                                        row.get("tau"))
     return row
 
@@ -128,11 +154,13 @@ def _rows(methods: list[str], temperature: float, measured: Measured, failed: di
     done = {method for method, _, _ in measured}
     baseline = baseline_of([m for m in methods if m in done and m not in failed])
     rows = []
-    for method in methods:
-        if method in failed:
-            rows.append({"method": method, "temperature": temperature, "error": failed[method]})
-        elif method in done:
-            rows.append(method_row(method, temperature, measured, baseline, config))
+    for label in methods:
+        if label in failed:
+            method, threshold = split_label(label)
+            rows.append({"method": method, **({"verify_threshold": threshold} if threshold else {}),
+                         "temperature": temperature, "error": failed[label]})
+        elif label in done:
+            rows.append(method_row(label, temperature, measured, baseline, config))
     return rows
 
 
@@ -170,7 +198,7 @@ def measure_temperature(runner: Runner, methods: list[str], temperature: float, 
         flagged = [r for r in rows if r.get("flags")]
         if not flagged:
             return rows
-        what = "; ".join(f"{r['method']} {r['speedup']:.2f}x ({', '.join(r['flags'])})" for r in flagged)
+        what = "; ".join(f"{row_label(r)} {r['speedup']:.2f}x ({', '.join(r['flags'])})" for r in flagged)
         if index + 1 < rounds:
             log.warning("bench: T=%g: %s: measuring again (round %d of at most %d)", temperature, what, index + 2,
                         rounds)
@@ -179,7 +207,7 @@ def measure_temperature(runner: Runner, methods: list[str], temperature: float, 
                         temperature, what, rounds)
         for row in rows:
             if "speedup" in row:
-                earlier.setdefault(row["method"], []).append(
+                earlier.setdefault(row_label(row), []).append(
                     {key: row[key] for key in ("speedup", "speedup_spread", "tokens_per_second", "flags")})
     return rows
 
@@ -188,5 +216,5 @@ def _with_rounds(rows: list[dict[str, Any]], index: int, earlier: dict[str, list
                  ) -> list[dict[str, Any]]:
     for row in rows:
         if "error" not in row:
-            row.update(rounds=index + 1, earlier_rounds=earlier.get(row["method"], []))
+            row.update(rounds=index + 1, earlier_rounds=earlier.get(row_label(row), []))
     return rows
