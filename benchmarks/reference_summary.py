@@ -1,12 +1,20 @@
-"""The reference benchmark's summary (benchmarks/run_all.py --parts summary): the headline figures as markdown and
-every drafter type's bench rows side by side with their speed-up over the same run's plain decoding."""
+"""The reference benchmark's summary (benchmarks/run_all.py --parts summary): the headline figures as markdown,
+every drafter type's bench rows side by side with their speed-up over the same run's plain decoding, and DSpark
+against DFlash (the same block backbone): acceptance position by position, and DSpark's confidence calibration."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eaglekit.report.compare import side_by_side as rows_side_by_side
 from eaglekit.report.compare import side_by_side_markdown
+from eaglekit.report.confidence import calibration_markdown
 
-VARIANT_KEYS = ("variant", "variant_p-eagle", "variant_dflash")  # run_variant's outputs: eagle3, and by drafter type
+# run_variant's outputs: eagle3, and by drafter type
+VARIANT_KEYS = ("variant", "variant_p-eagle", "variant_dflash", "variant_dspark")
+# DSpark is DFlash's block backbone plus a Markov head: the pair whose acceptance is compared position by position
+BLOCK_PAIR = ("variant_dflash", "variant_dspark")
+BLOCK_KINDS = ("dflash", "dspark")  # step_cost.py's block drafters
 
 
 def summary_markdown(summary: dict, bench_table: str) -> str:
@@ -28,6 +36,7 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
     if summary.get("methods"):
         lines += ["## Drafter types side by side (same prompts, same run; speed-up over this run's plain at the same T)", "",
                   *side_by_side_markdown(summary["methods"]), ""]
+    lines += block_markdown(summary)
     speed = []
     for name in ("decode_speed_reference", "decode_speed_8b"):
         d = summary.get(name)
@@ -63,11 +72,26 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
     if cost:
         fraction = cost["plain_fraction_of_bound"]["fused_projections"]
         speed.append(f"- step_cost ({cost['weights']}): plain {cost['plain_tokens_per_s']['fused_projections']:.1f} tok/s "
-                     f"({fraction:.1%} of the bound); step / plain: "
+                     f"({fraction:.1%} of the bound)" + ("; step / plain: " if cost["steps"] else "")
                      + ", ".join(f"{name} {step['ratio_to_plain']:.3f}" for name, step in cost["steps"].items()))
+        for kind in (k for k in BLOCK_KINDS if cost.get(k)):
+            if "error" in cost[kind]:
+                speed.append(f"- step_cost {kind}: FAILED ({cost[kind]['error']})")
+                continue
+            drafter, goal = cost[kind]["drafter"], f"{kind}_step<=1.15x_plain"
+            heads = f", Markov head rank {drafter['markov_rank']}" if "markov_rank" in drafter else ""
+            met = (cost.get("goals") or {}).get(goal)
+            speed.append(f"- step_cost {kind} (draft_layers {drafter['layers']}{heads}): step / plain "
+                         + ", ".join(f"{name} {step['ratio_to_plain']:.3f}"
+                                     for name, step in cost[kind]["steps"].items())
+                         + ("" if met is None else f" ({goal}: {'met' if met else 'not met'})"))
         for row in cost.get("projection", []):
-            speed.append(f"- projection at the 8B shape, {row['method']} T={row['temperature']:g}: tau {row['tau']:.2f} x "
-                         f"plain / step = {row['projected_speedup']:.2f}x (reference target measured {row['reference_measured_speedup']:.2f}x)")
+            measured = row.get("reference_measured_speedup")
+            cut = f", verify_threshold {row['verify_threshold']:g}" if row.get("verify_threshold") else ""
+            speed.append(f"- projection at the 8B shape, {row['method']} ({row['shape']}{cut}) "
+                         f"T={row['temperature']:g}: tau {row['tau']:.2f} x plain / step = "
+                         f"{row['projected_speedup']:.2f}x (reference target measured "
+                         + ("-" if measured is None else f"{measured:.2f}x") + ")")
     speed += [variant_line(summary[key]) for key in VARIANT_KEYS if summary.get(key)]
     if speed:
         lines += ["## Speed and peers", "", *speed, ""]
@@ -81,8 +105,106 @@ def side_by_side(summary: dict) -> list[dict]:
     config = (summary.get("bench") or {}).get("config") or {}
     sources = [("eagle3", config, bench)]  # a variant's bench_options: its chain_length, depth and total_tokens
     sources += [(summary[key]["variant"].get("drafter_type", "eagle3 variant"), {**config, **summary[key].get("bench_options", {})},
-                 summary[key]["bench"]) for key in VARIANT_KEYS if summary.get(key)]
+                 labelled(summary[key]["bench"])) for key in VARIANT_KEYS if summary.get(key)]
     return [r for r in rows_side_by_side(bench, sources) if r["speedup_vs_plain"] is not None]
+
+
+def labelled(rows: list[dict]) -> list[dict]:
+    """Bench rows, those verified under a confidence cut named by it in their method ("dspark, verify_threshold
+    0.5": fewer drafts verified per step, the same output)."""
+    return [{**r, "method": f"{r['method']}, verify_threshold {r['verify_threshold']:g}"} if r.get("verify_threshold")
+            else r for r in rows]
+
+
+def calibrations(summary: dict) -> dict[str, dict]:
+    """Variant key -> the confidence calibration its drafter's training recorded (`after_training`: per block
+    position, ECE and AUC raw and calibrated), for each variant whose drafter has a calibrated confidence head."""
+    return {key: summary[key]["after_training"] for key in VARIANT_KEYS
+            if ((summary.get(key) or {}).get("after_training") or {}).get("calibrated")}
+
+
+def conditional(acceptance: list[float]) -> list[float | None]:
+    """Bench's acceptance per position (the fraction of steps whose drafts are accepted up to position k) -> the
+    fraction of steps accepting position k among those that accepted k - 1: how well a drafter's drafts hold deeper
+    in the block, whatever its first drafts did (None where no step got that far)."""
+    before, found = 1.0, []
+    for a in acceptance:
+        found.append(a / before if before > 0 else None)
+        before = a
+    return found
+
+
+def block_acceptance(summary: dict) -> list[dict]:
+    """Per temperature, the DFlash and DSpark variants' whole-chain rows (no confidence cut) on the same prompts:
+    tau, tokens/s, acceptance per position and its conditional form, and DSpark's acceptance minus DFlash's at each
+    position both draft (what DSpark's Markov head is for: drafts that hold deeper in the block)."""
+    found: dict[float, dict[str, dict]] = {}
+    for key in BLOCK_PAIR:
+        variant = summary.get(key) or {}
+        for r in variant.get("bench") or []:
+            acceptance = r.get("acceptance_per_position")
+            if acceptance and not r.get("verify_threshold"):
+                found.setdefault(r["temperature"], {})[variant["variant"].get("drafter_type", key)] = {
+                    "method": r["method"], "drafts": len(acceptance), "tau": r.get("tau"),
+                    "tokens_per_second": r.get("tokens_per_second"), "acceptance_per_position": acceptance,
+                    "conditional_acceptance": conditional(acceptance)}
+    comparison = []
+    for temperature in sorted(found):
+        drafters = found[temperature]
+        entry: dict = {"temperature": temperature, "drafters": drafters}
+        if len(drafters) == 2:
+            (first, a), (second, b) = drafters.items()  # DFlash, then DSpark (BLOCK_PAIR's order)
+            entry["difference"] = {"of": f"{second} - {first}", "per_position": [
+                y - x for x, y in zip(a["acceptance_per_position"], b["acceptance_per_position"])]}
+        comparison.append(entry)
+    return comparison
+
+
+def _numbers(values: list[float | None]) -> str:
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values)
+
+
+def block_markdown(summary: dict) -> list[str]:
+    """The DSpark-against-DFlash section: acceptance per position, the confidence calibration, the confidence cut's
+    rows (nothing when neither variant ran)."""
+    comparison = summary.get("block_acceptance") or block_acceptance(summary)
+    found = summary.get("calibration") or calibrations(summary)
+    cuts = [(summary[key]["variant"].get("drafter_type", key), r) for key in VARIANT_KEYS if summary.get(key)
+            for r in summary[key]["bench"] if r.get("verify_threshold") is not None and r.get("tau")]
+    if not (comparison or found or cuts):
+        return []
+    lines = ["## DSpark against DFlash (the same block backbone, the same prompts)", ""]
+    if comparison:
+        lines += ["Acceptance per position: the fraction of steps whose drafts are accepted up to that position "
+                  "(bench's); given the one before: among the steps that accepted the position before. DSpark's Markov "
+                  "head corrects each draft by the one before it, so its acceptance should hold deeper in the block "
+                  "than DFlash's.", "",
+                  "| drafter | method | T | drafts | tau | tokens/s | acceptance per position | given the one before |",
+                  "|---|---|---|---|---|---|---|---|"]
+    for entry in comparison:
+        for name, d in entry["drafters"].items():
+            speed = "-" if d["tokens_per_second"] is None else f"{d['tokens_per_second']:.1f}"
+            tau = "-" if d["tau"] is None else f"{d['tau']:.2f}"
+            lines.append(f"| {name} | {d['method']} | {entry['temperature']:g} | {d['drafts']} | {tau} | {speed} | "
+                         f"{_numbers(d['acceptance_per_position'])} | {_numbers(d['conditional_acceptance'])} |")
+    lines.append("")
+    for entry in (e for e in comparison if "difference" in e):
+        lines.append(f"- T={entry['temperature']:g}, {entry['difference']['of']} per position: "
+                     + " ".join(f"{v:+.2f}" for v in entry["difference"]["per_position"]))
+    if cuts:
+        lines += ["", "Confidence cut (`verify_threshold`: only the drafts whose calibrated survival reaches it are "
+                  "verified):", "",
+                  "| drafter | method | T | verify_threshold | tau | drafts verified per step | tokens/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in cuts:
+            verified = r.get("verified_per_step")
+            lines.append(f"| {name} | {r['method']} | {r['temperature']:g} | {r['verify_threshold']:g} | "
+                         f"{r['tau']:.2f} | {'-' if verified is None else f'{verified:.2f}'} | "
+                         f"{r.get('tokens_per_second') or 0:.1f} |")
+    for key, after in found.items():
+        folder = Path((summary[key].get("trained") or {}).get("drafter") or key)
+        lines += ["", *calibration_markdown(f"{folder.parent.name}/{folder.name}", after)]
+    return [*lines, ""]
 
 
 def variant_line(variant: dict) -> str:

@@ -12,6 +12,8 @@
     # speed figures that need no trained target (8B-shaped, random weights):
     python benchmarks/run_all.py --parts decode_speed,decode_speed_8b,train_speed,summary --out runs/reference-results
     # or all of it as one background job: benchmarks/run_reference.sh start|wait|collect
+    # the drafter types side by side, DSpark beside DFlash, about 20 minutes (run_reference.sh lists the parts):
+    bash benchmarks/run_reference.sh start drafters
     # the same flow at toy sizes on a CPU, a few minutes:
     python benchmarks/run_all.py --smoke --work /tmp/reference --out /tmp/reference-results
 
@@ -50,9 +52,19 @@ Parts
             block_size - 1) and writes <out>/variant_dflash.json. `--variant drafter_type=p-eagle,ttt_steps=8`:
             a P-EAGLE drafter fine-tuned from the run's own drafter (init_from=<work>/run/train unless given),
             benched with methods parallel, chain and tree; <out>/variant_p-eagle.json.
-- step_cost: benchmarks/step_cost.py: 8B-shaped step costs (random weights) with the bench's tau projected.
+            `--variant drafter_type=dspark,block_size=8,draft_layers=2`: a DSpark drafter with DFlash's backbone
+            of the same size (its Markov and confidence heads on top) in <work>/variant-dspark, benched with method
+            dspark over its whole block (chain_length = block_size: every slot drafts); <out>/variant_dspark.json
+            also keeps its confidence calibration (`after_training`: per block position, ECE and AUC raw and
+            calibrated). `--variant-bench` passes bench options through (a list keeps its commas:
+            verify_thresholds=0,0.3,0.5,0.7 where bench takes it); one bench does not take fails before training.
+- step_cost: benchmarks/step_cost.py: 8B-shaped step costs (random weights) with the tau of the bench and of the
+            other drafter types' variants projected; `--step-cost-args` adds its flags (e.g. `--dflash 4,7
+            --dspark 4,7`: block drafters' steps).
 - summary:  gathers every figure into `<out>/summary.json` and a markdown table `<out>/summary.md` (a line per
-            variant: variant.json, variant_p-eagle.json, variant_dflash.json).
+            variant: variant.json, variant_p-eagle.json, variant_dflash.json, variant_dspark.json), DSpark against
+            DFlash position by position (`block_acceptance`: acceptance per position, given the position before,
+            DSpark's minus DFlash's) and the DSpark variant's calibration (`calibration`).
 """
 
 from __future__ import annotations
@@ -69,7 +81,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when loaded by file path
-from reference_summary import VARIANT_KEYS, side_by_side, summary_markdown  # noqa: E402
+from reference_summary import VARIANT_KEYS, block_acceptance, calibrations, side_by_side, summary_markdown  # noqa: E402
 
 # Sizes: (reference target, draft LM, pipeline) for the GPU run and for the CPU smoke run.
 GPU = {
@@ -166,11 +178,26 @@ def run_pipeline(work: Path, sizes: dict, stages: tuple[str, ...], bench_methods
     run_stage.run(load_config(run_stage.Config, None, overrides))
 
 
+def split_options(text: str) -> list[str]:
+    """`a=1,b=0,0.5` -> ["a=1", "b=0,0.5"]: comma-separated key=value pairs, a list value's commas kept (a piece
+    without "=" continues the value before it)."""
+    pairs: list[str] = []
+    for piece in (p for p in text.split(",") if p):
+        if "=" in piece or not pairs:
+            pairs.append(piece)
+        else:
+            pairs[-1] += "," + piece
+    return pairs
+
+
 def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_repeats: int, bench_options: str = "") -> None:
     """A second drafter trained by the run's own train stage with some options changed (`--variant`: same
     shards, vocabulary, split, seed and steps) and benched by the run's bench stage on the same prompts
     (speculative methods only: plain decoding does not depend on the drafter), with `--variant-bench` bench
-    options changed (e.g. chain_length=7 for a P-EAGLE chain that costs about what a chain of 4 does)."""
+    options changed (e.g. chain_length=7 for a P-EAGLE chain that costs about what a chain of 4 does; a list
+    value keeps its commas: verify_thresholds=0,0.5). The bench options are checked before the drafter trains.
+    What the drafter type does after training (DSpark: its confidence calibration, `after_training` in the
+    train manifest) is kept in the JSON beside the bench rows."""
     from eaglekit.config import load_config, parse_overrides, to_dict
     from eaglekit.manifest import atomic_write_json, environment
     from eaglekit.stages import bench as bench_stage
@@ -182,7 +209,7 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
     run = work / "run"
     steps = {s.name: s for s in plan(load_config(Config, run / "run.yaml", {"out": str(run),
                                                                                "stages": ["regen", "extract", "vocab", "train", "bench"]}))}
-    options = parse_overrides(variant.split(","))
+    options = parse_overrides(split_options(variant))
     train_config = steps["train"].make_config()  # validated like a command line: an unknown option is one error
     own = train_config.drafter_type  # the run's drafter type
     kind = registry.get(str(options.get("drafter_type", own)))  # another type: its own folder and JSON, its methods
@@ -191,37 +218,44 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
     variant_dir, name = ((work / "variant", "variant.json") if kind.name == own
                          else (work / f"variant-{kind.name}", f"variant_{kind.name}.json"))
     train_config = load_config(type(train_config), None, {**to_dict(train_config), **options, "output": str(variant_dir / "train")})
-    log(f"training the variant drafter ({variant})")
-    trained = train_stage.run(train_config)
     bench_config = steps["bench"].make_config()
     allowed = kind.methods
     methods = tuple(m for m in (bench_methods.split(",") if bench_methods else bench_config.methods) if m in allowed) or allowed
     if not bench_methods:  # the type's own method first, beside the others it also drafts (P-EAGLE: chain, tree)
         methods = (allowed[0], *(m for m in methods if m != allowed[0]))
-    chain = kind.bench_options(train_config)  # DFlash: the whole block
-    bench_config = load_config(type(bench_config), None, {
+    chain = kind.bench_options(train_config)  # DFlash and DSpark: the whole block
+    changed = parse_overrides(split_options(bench_options)) if bench_options else {}
+    bench_config = load_config(type(bench_config), None, {  # an option bench does not take fails here, before training
         **to_dict(bench_config), "drafter": str(variant_dir / "train"), "output": str(variant_dir / "bench"),
-        "methods": list(methods), **chain, **({"repeats": bench_repeats} if bench_repeats else {}),
-        **(parse_overrides(bench_options.split(",")) if bench_options else {})})
+        "methods": list(methods), **chain, **({"repeats": bench_repeats} if bench_repeats else {}), **changed})
+    log(f"training the variant drafter ({variant})")
+    trained = train_stage.run(train_config)
     rows = bench_stage.run(bench_config)["rows"]
     base = json.loads((run / "train" / "manifest.json").read_text())
+    after = json.loads((variant_dir / "train" / "manifest.json").read_text()).get("after_training")
     atomic_write_json(out / name, {
         "benchmark": "drafter_variant", "variant": options, "environment": environment(),
         "baseline": {"val": base.get("val"), "steps": base.get("steps"), "drafter": str(run / "train")},
         "trained": {"val": trained.get("val"), "steps": trained.get("steps"), "drafter": str(variant_dir / "train")},
-        "bench_options": {key: getattr(bench_config, key) for key in ("chain_length", "depth", "total_tokens")}
+        "bench_options": {key: getattr(bench_config, key)
+                          for key in ("chain_length", "depth", "total_tokens", *changed)}
         | {"methods": list(bench_config.methods)},
+        **({"after_training": after} if after else {}),
         "bench": rows,
     })
 
 
-def run_step_cost(work: Path, out: Path, smoke: bool) -> None:
-    """8B-shaped step costs (random weights), with the reference target's measured tau projected onto them."""
-    bench = work / "run" / "bench" / "bench.json"
+def run_step_cost(work: Path, out: Path, smoke: bool, extra: str = "") -> None:
+    """8B-shaped step costs (random weights), with the reference target's measured tau projected onto them: the
+    run's bench rows and those of the other drafter types' variants (<work>/variant-<type>/bench, same prompts).
+    `extra`: more step_cost.py flags (`--step-cost-args`, split on spaces), after run_all's own (so they win)."""
+    benches = [work / "run" / "bench" / "bench.json", *sorted(work.glob("variant-*/bench/bench.json"))]
     flags = ["--smoke", "--shapes", "chain4,tree48", "--repeats", "1"] if smoke else []
-    # ~10 minutes on an H200, most of it compiling the 8B-shaped graphs (one per step shape, and the parts)
+    # ~10 minutes on an H200 with the defaults, most of it compiling the 8B-shaped graphs (one per step shape, and
+    # the parts)
     _script("step_cost.py", *flags, "--output", str(out / "step_cost_8b.json"),
-            *(["--reference-bench", str(bench)] if bench.is_file() else []), timeout=1800)
+            *(flag for bench in benches if bench.is_file() for flag in ("--reference-bench", str(bench))),
+            *extra.split(), timeout=1800)
 
 
 def run_train_speed(out: Path, smoke: bool, budget_s: float) -> None:
@@ -330,6 +364,8 @@ def summarise(work: Path, out: Path) -> dict:
         "step_cost_8b": load(out / "step_cost_8b.json"),
     }
     summary["methods"] = side_by_side(summary)
+    summary["calibration"] = calibrations(summary)  # the DSpark variants' confidence, per block position
+    summary["block_acceptance"] = block_acceptance(summary)  # DSpark against DFlash, position by position
     for key in ("reference_target", "draft_lm"):
         if summary[key]:
             summary[key] = {k: v for k, v in summary[key].items() if k != "eval_records"}
@@ -359,7 +395,11 @@ def main() -> int:
     parser.add_argument("--variant", default="fc_norm=true,norm_output=true", metavar="KEY=VALUE,...",
                         help="variant part: train options changed for the second drafter (default: EAGLE 3.1's fc_norm + norm_output)")
     parser.add_argument("--variant-bench", default="", metavar="KEY=VALUE,...",
-                        help="variant part: bench options changed for it (e.g. chain_length=7)")
+                        help="variant part: bench options changed for it (e.g. chain_length=7; a list keeps its "
+                             "commas: temperatures=0,0.7)")
+    parser.add_argument("--step-cost-args", default="", metavar="'--FLAG VALUE ...'",
+                        help="step_cost part: more benchmarks/step_cost.py flags, split on spaces (e.g. "
+                             "--step-cost-args='--shapes= --parts= --dflash 4,7 --dspark 4,7')")
     parser.add_argument("--quick", action="store_true", help="GPU sizes cut for a short GPU budget (QUICK: 600 target "
                         "steps, 500 drafter steps; target, pipeline and bench 8.5 minutes on one H100)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: proves the flow runs")
@@ -386,7 +426,7 @@ def main() -> int:
                                             else run_extract_speed_reference(work, out)),
         "variant": lambda: run_variant(work, out, args.variant, args.bench_methods, args.bench_repeats,
                                        args.variant_bench),
-        "step_cost": lambda: run_step_cost(work, out, args.smoke),
+        "step_cost": lambda: run_step_cost(work, out, args.smoke, args.step_cost_args),
         "summary": lambda: summarise(work, out),
     }
     unknown = [p for p in parts if p not in steps]

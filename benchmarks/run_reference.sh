@@ -1,46 +1,84 @@
 #!/bin/bash
 # The reference benchmark (benchmarks/run_all.py) as one background job on a GPU host. The job keeps running
-# when the shell that started it closes; its figures, logs and reports collect in runs/reference-results/.
+# when the shell that started it closes; its figures, logs and reports collect in runs/<job>-results/.
 #
-#   bash benchmarks/run_reference.sh start     # start the job (nohup; pid in runs/reference.pid, log in
-#                                              # runs/reference.log)
-#   bash benchmarks/run_reference.sh wait      # follow the log until the job ends, then print its tail
-#   bash benchmarks/run_reference.sh collect   # copy the run's reports into the results and pack them into
-#                                              # runs/reference-results.tgz (also while the job runs)
+#   bash benchmarks/run_reference.sh start [JOB]     # start the job (nohup; pid in runs/<job>.pid, log in
+#                                                    # runs/<job>.log)
+#   bash benchmarks/run_reference.sh wait [JOB]      # follow the log until the job ends, then print its tail
+#   bash benchmarks/run_reference.sh collect [JOB]   # copy the run's reports into the results and pack them into
+#                                                    # runs/<job>-results.tgz (also while the job runs)
 #
-# The job, about 30 minutes on one H200: tests/test_decode_gpu.py (beside the target's build) -> run_all target
-# -> pipeline, bench, summary -> step_cost -> variant -> the speculators peer (when PEER_WHEELS names a folder
-# of its wheels: benchmarks/peer_speculators.py lists them) -> extract_speed_reference (shards in RAM), profile,
-# summary.
+# JOB `reference` (the default), about 30 minutes on one H200, in runs/reference and runs/reference-results:
+# tests/test_decode_gpu.py (beside the target's build) -> run_all target -> pipeline, bench, summary -> step_cost
+# -> variant -> the speculators peer (when PEER_WHEELS names a folder of its wheels: benchmarks/peer_speculators.py
+# lists them) -> extract_speed_reference (shards in RAM), profile, summary.
+#
+# JOB `drafters`: the drafter types side by side, DSpark beside DFlash, cut to about 20 minutes on one H200
+# (run_all --quick: a 600-step target, 500-step drafters; no HF peers, no draft LM), in runs/drafters and
+# runs/drafters-results. Each part runs the summary after it, so summary.json/summary.md hold every figure measured
+# so far, and each part's own JSON lands as it finishes (a job cut off keeps the parts before):
+#   target        ~3 min    the reference target (run_all --quick --parts target)      reference_target.json
+#   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
+#                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
+#                           warm-up pass                                               run/bench/bench.json
+#   dflash        ~2 min    variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
+#                                                                                      variant_dflash.json
+#   dspark        ~2.5 min  variant drafter_type=dspark,block_size=8,draft_layers=2 (the same backbone): method
+#                           dspark, a chain of 8 (every block slot drafts), its calibration; with bench's
+#                           verify_thresholds option (when this eaglekit's bench has it), also a row per
+#                           threshold (DSPARK_VERIFY_THRESHOLDS, about 15 s each once compiled)
+#                                                                                      variant_dspark.json
+#   step_cost     ~6 min    8B-shaped steps (random weights): plain, DFlash at k = 4, 7, DSpark at k = 4, 7, 8
+#                           (8: the variant's chain, for its projection), each with its drafting part alone; both
+#                           variants' and the bench's rows projected onto them         step_cost_8b.json
+# Times are estimates for an H200 (the target, pipeline and bench were measured together at 8.5 minutes on an
+# H100); most of step_cost's is compiling the 8B-shaped graphs, one fused step per (drafter, k).
+#
 # Environment:
 #   RUN_ALL_FLAGS         flags for every run_all part, e.g. "--no-draft-lm --bench-methods plain,chain,tree" to
-#                         leave out the slow HF peers (split on spaces: no quoted values inside)
+#                         leave out the slow HF peers (split on spaces: no quoted values inside; JOB drafters sets
+#                         its own, these come after them)
 #   REFERENCE_STEP_COST=0 leave out step_cost (8B-shaped step costs, random weights, with the bench's tau projected)
 #   REFERENCE_VARIANT=0   leave out the variant drafter (run_all --variant, default EAGLE 3.1: fc_norm + norm_output)
 #   REFERENCE_SPEED=0     leave out extract_speed_reference and profile
 #   REFERENCE_PEER_FIRST=1  run the peer right after the pipeline's training, before the bench
 #   PEER_WHEELS           folder of speculators' wheels (default .whl); installed into runs/peer-site, a folder
 #                         only the peer's process sees, so its pinned libraries never shadow eaglekit's
+#   DSPARK_VERIFY_THRESHOLDS  JOB drafters: the DSpark variant's bench verify_thresholds (default 0,0.3,0.5,0.7;
+#                         empty: none)
+#   STEP_COST_ARGS        JOB drafters: step_cost.py's flags (default: the shapes above)
 #   WAIT_S                `wait` returns after this many seconds even if the job runs on (default 0: no limit)
 #   PYTHON                the Python with eaglekit's dependencies (default python3)
 #   EAGLEKIT_COMMIT       the commit the JSON files name, for a copied tree without .git
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-RESULTS=runs/reference-results
-WORK=runs/reference
-LOG=runs/reference.log
-PID=runs/reference.pid
+JOB=${2:-reference}
+case "$JOB" in
+    reference|drafters) ;;
+    *) echo "unknown job '$JOB': reference or drafters" >&2; exit 2 ;;
+esac
+RESULTS=runs/$JOB-results
+WORK=runs/$JOB
+LOG=runs/$JOB.log
+PID=runs/$JOB.pid
 FLAGS=${RUN_ALL_FLAGS:-}
 WHEELS=${PEER_WHEELS:-.whl}
 PYTHON=${PYTHON:-python3}
+VERIFY=${DSPARK_VERIFY_THRESHOLDS-0,0.3,0.5,0.7}
+STEP_COST=${STEP_COST_ARGS:---shapes= --parts= --no-separate --dflash 4,7 --dspark 4,7,8}
+
+log() { echo "[$JOB $(date +%T)] $*"; }
+
+run_all() {  # run_all.py PARTS LOGNAME [more run_all flags]
+    local parts=$1 name=$2
+    shift 2
+    "$PYTHON" benchmarks/run_all.py --parts "$parts" "$@" $FLAGS --work "$WORK" --out "$RESULTS" \
+        > "$RESULTS/$name.log" 2>&1
+    log "$parts rc=$?"
+}
 
 job() {
-    log() { echo "[reference $(date +%T)] $*"; }
-    run_all() {  # run_all.py PARTS LOGNAME
-        "$PYTHON" benchmarks/run_all.py --parts "$1" $FLAGS --work "$WORK" --out "$RESULTS" > "$RESULTS/$2.log" 2>&1
-        log "$1 rc=$?"
-    }
     peer() {
         [ -d "$WHEELS" ] || { log "peer skipped: no wheels in $WHEELS"; return 0; }
         "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target runs/peer-site \
@@ -68,6 +106,29 @@ job() {
     log DONE
 }
 
+has_bench_option() {  # this eaglekit's bench stage takes option $1
+    "$PYTHON" -c "import dataclasses, sys; from eaglekit.stages.bench import Config
+sys.exit('$1' not in {f.name for f in dataclasses.fields(Config)})" 2>/dev/null
+}
+
+drafters_job() {
+    local quick="--quick --no-draft-lm --bench-methods plain,chain,tree --bench-repeats 3" cut=()
+    mkdir -p "$RESULTS"
+    log start
+    run_all target,summary target $quick
+    run_all pipeline,bench,summary bench $quick
+    run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
+    if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then
+        cut=(--variant-bench "verify_thresholds=$VERIFY")
+    elif [ -n "$VERIFY" ]; then
+        log "bench takes no verify_thresholds option: the DSpark variant is benched over its whole block only"
+    fi
+    run_all variant,summary variant_dspark $quick --variant drafter_type=dspark,block_size=8,draft_layers=2 \
+        ${cut[@]+"${cut[@]}"}
+    run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
+    log DONE
+}
+
 running() {
     [ -f "$PID" ] && kill -0 "$(cat "$PID")" 2>/dev/null
 }
@@ -79,6 +140,13 @@ collect() {
         [ -f "$run/$f" ] && cp "$run/$f" "$into/"
     done
     [ -d "$run/bench" ] && cp -r "$run/bench" "$into/"
+    for variant in "$WORK"/variant*/; do  # each variant drafter's bench and training record
+        [ -d "$variant" ] || continue
+        mkdir -p "$RESULTS/$(basename "$variant")"
+        [ -d "$variant/bench" ] && cp -r "$variant/bench" "$RESULTS/$(basename "$variant")/"
+        [ -f "$variant/train/manifest.json" ] && \
+            cp "$variant/train/manifest.json" "$RESULTS/$(basename "$variant")/train_manifest.json"
+    done
     local peer_log="$run/peer_speculators/peer/speculators_train.log"
     [ -f "$peer_log" ] && tail -c 200000 "$peer_log" > "$RESULTS/speculators_train.log"
     for m in reference_target draft_lm; do
@@ -95,19 +163,21 @@ follow() {
         sleep 5
     done
     tail -20 "$LOG"
-    running && echo "still running (pid $(cat "$PID")); \`$0 wait\` again" || true
+    running && echo "still running (pid $(cat "$PID")); \`$0 wait $JOB\` again" || true
 }
 
 case "${1:-}" in
     start)
         if running; then echo "already running (pid $(cat "$PID"))" >&2; exit 1; fi
         mkdir -p runs
-        export -f job
-        export RESULTS WORK FLAGS WHEELS PYTHON
-        nohup setsid bash -c job > "$LOG" 2>&1 < /dev/null &
+        entry=job
+        [ "$JOB" = drafters ] && entry=drafters_job
+        export -f log run_all job has_bench_option drafters_job
+        export JOB RESULTS WORK FLAGS WHEELS PYTHON VERIFY STEP_COST
+        nohup setsid bash -c "$entry" > "$LOG" 2>&1 < /dev/null &
         echo $! > "$PID"
-        echo "started (pid $(cat "$PID")); log: $LOG" ;;
+        echo "started $JOB (pid $(cat "$PID")); log: $LOG" ;;
     wait) follow ;;
     collect) collect ;;
-    *) echo "usage: $0 start|wait|collect" >&2; exit 2 ;;
+    *) echo "usage: $0 start|wait|collect [reference|drafters]" >&2; exit 2 ;;
 esac

@@ -6,6 +6,7 @@ a step's cost does not depend on the weights' values, only on the shapes.
     python benchmarks/step_cost.py --output X.json --reference-bench runs/reference/run/bench/bench.json
     python benchmarks/step_cost.py --shape reference --output X.json --profile       # the reference target's shape
     python benchmarks/step_cost.py --smoke --output /tmp/step_cost.json              # CPU, tiny shapes
+    python benchmarks/step_cost.py --shapes= --parts= --dflash 4,7 --dspark 4,7 --output X.json  # block drafters
 
 - `plain`: decode-phase milliseconds per token of eaglekit's plain fast path (static KV cache, compiled,
   CUDA graphs; the prefill excluded), with the target's fused q/k/v and gate/up GEMMs and with the separate
@@ -27,6 +28,11 @@ a step's cost does not depend on the weights' values, only on the shapes.
   k tokens a step in one block forward (the fused step: static context buffers, one CUDA graph a step), and that
   block forward alone (compiled, over the static buffers); with `--reference-bench`, its `dflash` rows are projected
   onto the step of their chain length.
+- `dspark` (with `--dspark 4,7`): the same with a random DSpark drafter (`--dspark-layers`, 5 by default): DFlash's
+  backbone with every block slot drafting, a vanilla Markov head of rank `--dspark-rank` (256) and the calibrated
+  confidence head, all inside the fused step; `draft_ms` is the block forward plus the Markov loop, `block_ms` the
+  block forward alone (their difference: what DSpark's heads cost); its `dspark` rows are projected likewise
+  (benchmarks/step_cost_block.py). The goal: a DSpark step <= 1.15x a plain step (`dspark_step<=1.15x_plain`).
 - `projection` (with `--reference-bench`): the speed-up at this shape that a drafter with the reference
   target's measured tau would give, tau x plain step / speculative step, beside the reference target's
   own measured speed-up. A projection, not a measurement: it assumes the same acceptance at this shape.
@@ -41,6 +47,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -60,6 +67,8 @@ from eaglekit.drafters.eagle3.static import StaticDrafter  # noqa: E402
 from eaglekit.decode.tree import chain_from_logits  # noqa: E402
 from eaglekit.decode.verify import greedy_path  # noqa: E402
 from eaglekit.manifest import atomic_write_json, environment  # noqa: E402
+from step_cost_block import BLOCK_KINDS, MARKOV_RANK, block_figures  # noqa: E402
+from step_cost_block import markdown as block_markdown  # noqa: E402
 
 SHAPES = {
     "chain3": dict(method="chain", chain_length=3),
@@ -70,6 +79,8 @@ SHAPES = {
     "parallel4": dict(method="parallel", chain_length=4),  # P-EAGLE: the chain drafted in one drafter forward
     "parallel7": dict(method="parallel", chain_length=7),
 }
+# the step / plain goals: chains (one drafter forward a token, or the whole chain in one) and trees
+GOALS = {"chain": 1.15, "tree": 1.35, "parallel": 1.15, **{kind: 1.15 for kind in BLOCK_KINDS}}
 # the shapes `eaglekit bench` measures by default (parallel: at bench's default chain_length)
 DEFAULT_SHAPE = {"chain": "chain4", "tree": "tree48", "parallel": "parallel4"}
 MODEL_SHAPES = {"8b": SHAPE_8B, "reference": SHAPE_REFERENCE}
@@ -249,71 +260,24 @@ def mla_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repea
             "draft_level_ms_eager": level}
 
 
-def random_dflash(model, device: torch.device, dtype: torch.dtype, layers: int, block_size: int = 16):
-    """A random-weight DFlash drafter of the target's width: `layers` layers, context from as many target layers."""
-    from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_target_layer_ids
-
-    c = model.config
-    config = DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                          num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                          num_hidden_layers=layers, vocab_size=c.vocab_size, draft_vocab_size=min(32000, c.vocab_size),
-                          target_hidden_size=c.hidden_size, mask_token_id=0, block_size=block_size,
-                          target_layer_ids=default_target_layer_ids(c.num_hidden_layers, layers),
-                          head_dim=getattr(c, "head_dim", None), rope_parameters=dict(c.rope_parameters))
-    drafter = DFlashDrafter(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
-    drafter.set_vocab_mapping(torch.arange(config.draft_vocab_size))
-    return drafter
-
-
-def dflash_figures(model, prompt: list[int], new_tokens: int, compile_: bool, repeats: int, base: float,
-                   layers: int, lengths: tuple[int, ...]) -> dict:
-    """Fused steps with a DFlash drafter (static context buffers) at each chain length k, and the drafting part
-    alone: one block of k + 1 queries over the context, compiled like the step."""
-    from eaglekit.drafters.dflash.static import StaticDFlashDrafter
-
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    drafter = random_dflash(model, device, dtype, layers, block_size=max(lengths) + 1)
-    capacity = len(prompt) + new_tokens + 80
-    decoder = Decoder(model, drafter, backend="static", compile=compile_, max_length=capacity)
-    steps, draft = {}, {}
-    context = torch.randn(len(prompt) + new_tokens // 2, len(drafter.config.target_layer_ids) * model.config.hidden_size,
-                          device=device, dtype=dtype)
-    length = torch.tensor(context.shape[0], device=device)
-    for k in lengths:
-        options = {"method": "dflash", "chain_length": k}
-        ms = step_ms(decoder, prompt, new_tokens, options, repeats)
-        steps[f"dflash{k}"] = {"options": options, "step_ms": ms, "ratio_to_plain": ms / base}
-        backend = StaticDFlashDrafter(drafter, capacity, k, compile=compile_)
-        with torch.inference_mode():
-            backend.extend(context, torch.zeros(context.shape[0], dtype=torch.long, device=device),
-                           torch.arange(context.shape[0], device=device))
-        block = graphs.compiled(lambda: backend.block_logits(torch.ones((), dtype=torch.long, device=device), length,
-                                                             k), compile_)
-
-        def once():
-            with torch.inference_mode():
-                block()
-        draft[f"dflash{k}"] = call_ms(once, device, repeats, 10)
-    return {"drafter": {"layers": layers, "target_layer_ids": list(drafter.config.target_layer_ids),
-                        "block_size": drafter.config.block_size},
-            "path": "fused step over the static target and static DFlash context buffers", "steps": steps,
-            "draft_ms": draft, "context_tokens": context.shape[0]}
-
-
-def projection(reference_bench: str, plain: float, steps: dict[str, float]) -> list[dict]:
-    """tau x plain step / speculative step per (method, temperature) row of a reference bench.json."""
-    rows = json.loads(Path(reference_bench).read_text())["rows"]
+def projection(reference_benches: list[str], plain: float, steps: dict[str, float]) -> list[dict]:
+    """tau x plain step / speculative step per (method, temperature) row of reference bench.json files (a run's and
+    its variants', benched on the same prompts: the plain rows of any of them give the measured speed-ups)."""
+    rows = [{**row, "bench": Path(path).parent.parent.name}  # which drafter's bench: run, variant-dspark, ...
+            for path in reference_benches for row in json.loads(Path(path).read_text())["rows"]]
     plain_rows = {r["temperature"]: r for r in rows if r["method"] == "plain"}
     out = []
     for row in rows:
-        shape = DEFAULT_SHAPE.get(row["method"])
-        if row["method"] == "dflash":  # a DFlash row: the step of its chain length, when --dflash timed it
-            shape = f"dflash{len(row.get('acceptance_per_position') or [])}"
+        exact = f"{row['method']}{len(row.get('acceptance_per_position') or [])}"  # chain4, parallel7, dspark8
+        # a chain: the step of its length when timed (a DFlash or DSpark chain: only that); else the method's default
+        shape = exact if row["method"] in CHAIN_METHODS and exact in steps else DEFAULT_SHAPE.get(row["method"])
         if shape not in steps or row.get("tau") is None:
             continue
         spec = steps[shape]
         measured = plain_rows.get(row["temperature"])
-        out.append({"method": row["method"], "temperature": row["temperature"], "tau": row["tau"],
+        cut = {"verify_threshold": row["verify_threshold"]} if "verify_threshold" in row else {}
+        out.append({"method": row["method"], "bench": row["bench"], "temperature": row["temperature"],
+                    "tau": row["tau"], **cut,
                     "shape": shape, "step_ratio": spec / plain,
                     "projected_speedup": row["tau"] * plain / spec,
                     "reference_measured_speedup": row["tokens_per_second"] / measured["tokens_per_second"] if measured else None})
@@ -329,7 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=20, help="parts: back-to-back calls per timed repeat")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="speculative shapes to time (of: " + ", ".join(SHAPES) + ")")
     parser.add_argument("--parts", default="chain4,tree48,parallel4", help="shapes whose step is also split into parts ('' = none)")
-    parser.add_argument("--reference-bench", default="", help="a reference target's bench.json: project its tau to this shape")
+    parser.add_argument("--reference-bench", action="append", default=[],
+                        help="a reference target's bench.json: project its tau to this shape (repeatable: a run's "
+                             "bench and its variants')")
     parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="8b", help="the target's shape (random weights)")
     parser.add_argument("--profile", action="store_true", help="kernel time by kind of plain and the default steps")
     parser.add_argument("--no-separate", dest="separate", action="store_false",
@@ -338,6 +304,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dflash", default="", metavar="K,K,...",
                         help="also time steps with a random DFlash drafter drafting K tokens a step (e.g. 4,7,15)")
     parser.add_argument("--dflash-layers", type=int, default=5, help="--dflash: the drafter's layers (published: 5)")
+    parser.add_argument("--dspark", default="", metavar="K,K,...",
+                        help="also time steps with a random DSpark drafter (DFlash's backbone, Markov and calibrated "
+                             "confidence heads, every block slot drafting) drafting K tokens a step (e.g. 4,7)")
+    parser.add_argument("--dspark-layers", type=int, default=5, help="--dspark: the drafter's layers (as --dflash's)")
+    parser.add_argument("--dspark-rank", type=int, default=MARKOV_RANK, help="--dspark: the Markov head's rank")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -404,21 +375,25 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mla:
         result["mla"] = mla_figures(model, prompt, new_tokens, compile_, args.repeats, base)
         save()
-    if args.dflash:
-        lengths = tuple(int(k) for k in args.dflash.split(","))
-        result["dflash"] = dflash_figures(model, prompt, new_tokens, compile_, args.repeats, base, args.dflash_layers,
-                                          lengths)
-        save()
+    for kind in BLOCK_KINDS:  # the block drafters, each at its chain lengths
+        if getattr(args, kind):
+            lengths = tuple(int(k) for k in getattr(args, kind).split(","))
+            try:
+                result[kind] = block_figures(kind, model, prompt, new_tokens, compile_, args.repeats, base,
+                                             getattr(args, f"{kind}_layers"), lengths, step_ms, call_ms,
+                                             args.dspark_rank)
+            except Exception as error:  # noqa: BLE001 - one drafter's failure must not cost the other figures
+                traceback.print_exc()
+                result[kind] = {"error": f"{type(error).__name__}: {error}"}
+            save()
     steps = {name: step["step_ms"] for name, step in result["steps"].items()}
-    result["goals"] = {"plain>=0.75_of_bound": result["plain_fraction_of_bound"]["fused_projections"] >= 0.75,
-                       "chain_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items() if k.startswith("chain")),
-                       "tree_step<=1.35x_plain": all(v / base <= 1.35 for k, v in steps.items() if k.startswith("tree")),
-                       "parallel_step<=1.15x_plain": all(v / base <= 1.15 for k, v in steps.items()
-                                                         if k.startswith("parallel"))}
-    if result.get("dflash"):
-        dflash_steps = {name: step["step_ms"] for name, step in result["dflash"]["steps"].items()}
-        result["goals"]["dflash_step<=1.15x_plain"] = all(v / base <= 1.15 for v in dflash_steps.values())
-        steps = {**steps, **dflash_steps}
+    for kind in (k for k in BLOCK_KINDS if "steps" in result.get(k, {})):
+        steps.update({name: step["step_ms"] for name, step in result[kind]["steps"].items()})
+    result["goals"] = {"plain>=0.75_of_bound": result["plain_fraction_of_bound"]["fused_projections"] >= 0.75}
+    for prefix, limit in GOALS.items():  # a goal for each kind of step timed
+        timed = [ms for name, ms in steps.items() if name.rstrip("0123456789") == prefix]
+        if timed:
+            result["goals"][f"{prefix}_step<={limit:.2f}x_plain"] = all(ms / base <= limit for ms in timed)
     if args.reference_bench:
         result["projection"] = projection(args.reference_bench, base, steps)
     result["complete"] = True
@@ -447,7 +422,9 @@ def markdown(result: dict) -> str:
                   "|---|---|---|---|---|---|"]
         for row in result["projection"]:
             measured = row["reference_measured_speedup"]
-            lines.append(f"| {row['method']} ({row['shape']}) | {row['temperature']:g} | {row['tau']:.2f} | {row['step_ratio']:.3f} | "
+            label = ", ".join([row["shape"], *([row["bench"]] if row.get("bench", "").startswith("variant") else []),
+                               *([f"verify_threshold {row['verify_threshold']:g}"] if row.get("verify_threshold") else [])])
+            lines.append(f"| {row['method']} ({label}) | {row['temperature']:g} | {row['tau']:.2f} | {row['step_ratio']:.3f} | "
                          f"{row['projected_speedup']:.2f}x | {'' if measured is None else f'{measured:.2f}x'} |")
     profile = {k: v for k, v in result.get("profile", {}).items() if isinstance(v, dict)}
     if profile:
@@ -466,12 +443,8 @@ def markdown(result: dict) -> str:
                   + ", ".join(f"{n} {v['step_ms']:.3f} ms = {v['ratio_to_plain']:.3f}x plain" for n, v in mla["steps"].items())
                   + "; one draft level (eager, ms): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in mla["draft_level_ms_eager"].items())]
-    if result.get("dflash"):
-        dflash = result["dflash"]
-        lines += ["", f"DFlash drafter, {dflash['drafter']['layers']} layers ({dflash['path']}): "
-                  + ", ".join(f"{n} {v['step_ms']:.3f} ms = {v['ratio_to_plain']:.3f}x plain" for n, v in dflash["steps"].items())
-                  + "; the block forward alone (ms): "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in dflash["draft_ms"].items())]
+    for kind in (k for k in BLOCK_KINDS if result.get(k)):
+        lines += block_markdown(kind, result[kind])  # the figures, or the error that stopped them
     return "\n".join(lines) + "\n"
 
 

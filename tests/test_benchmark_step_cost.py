@@ -23,11 +23,21 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
         {"method": "chain", "temperature": 0.0, "tokens_per_second": 180.0, "tau": 3.0},
         {"method": "dflash", "temperature": 0.0, "tokens_per_second": 150.0, "tau": 2.0,
          "acceptance_per_position": [0.6, 0.4]}]}))
+    variant = tmp_path / "variant-dspark" / "bench" / "bench.json"  # a variant's bench, same prompts: drafting rows
+    variant.parent.mkdir(parents=True)
+    variant.write_text(json.dumps({"rows": [
+        {"method": "dspark", "temperature": 0.0, "tokens_per_second": 160.0, "tau": 2.5,
+         "acceptance_per_position": [0.8, 0.7]},
+        {"method": "dspark", "temperature": 0.0, "tokens_per_second": 170.0, "tau": 2.25, "verify_threshold": 0.5,
+         "acceptance_per_position": [0.8, 0.7]},
+        {"method": "dspark", "temperature": 1.0, "tokens_per_second": 90.0, "tau": 1.5,  # a length not timed
+         "acceptance_per_position": [0.4, 0.1, 0.0]}]}))
     step_cost = load("step_cost")
     out = tmp_path / "step_cost.json"
     result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4,parallel4", "--parts", "chain4,parallel4",
                              "--repeats", "1", "--calls", "2", "--reference-bench", str(bench), "--profile", "--mla",
-                             "--dflash", "2", "--dflash-layers", "1"])
+                             "--dflash", "2", "--dflash-layers", "1", "--reference-bench", str(variant),
+                             "--dspark", "2", "--dspark-layers", "1", "--dspark-rank", "8"])
     written = json.loads(out.read_text())
     assert written["complete"] and written["steps"] == result["steps"]
     plain = result["plain_step_ms"]["fused_projections"]
@@ -38,10 +48,15 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
         assert set(parts) == {"draft", "verify_forward", "verification", "kv_compaction", "drafter_extend",
                               "unattributed"}
         assert all(v > 0 for k, v in parts.items() if k != "unattributed")
-    row, dflash_row = result["projection"]
+    row, dflash_row, dspark_row, cut_row = result["projection"]  # the T=1 dspark chain of 3: no dspark3 step timed
     assert dflash_row["shape"] == "dflash2" and dflash_row["reference_measured_speedup"] == 1.5
     assert dflash_row["projected_speedup"] == 2.0 * plain / result["dflash"]["steps"]["dflash2"]["step_ms"]
-    assert "dflash_step<=1.15x_plain" in result["goals"]
+    assert "dflash_step<=1.15x_plain" in result["goals"] and "dspark_step<=1.15x_plain" in result["goals"]
+    assert "tree_step<=1.35x_plain" not in result["goals"]  # no tree timed: no tree goal
+    assert dspark_row["shape"] == "dspark2" and dspark_row["reference_measured_speedup"] == 1.6  # the run's plain
+    assert dspark_row["projected_speedup"] == 2.5 * plain / result["dspark"]["steps"]["dspark2"]["step_ms"]
+    assert cut_row["verify_threshold"] == 0.5 and "verify_threshold" not in dspark_row
+    assert dspark_row["bench"] == cut_row["bench"] == "variant-dspark"  # which drafter's bench the row came from
     assert row["reference_measured_speedup"] == 1.8 and row["projected_speedup"] == 3.0 * plain / step["step_ms"]
     assert set(result["plain_step_ms"]) == {"fused_projections", "separate_projections"}
     profile = result["profile"]["chain4"]  # no GPU kernels on the CPU: the walls and step counts only
@@ -54,8 +69,15 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     dflash = result["dflash"]  # a DFlash drafter's step: one block forward drafts the chain
     assert set(dflash["steps"]) == {"dflash2"} and dflash["steps"]["dflash2"]["step_ms"] > 0
     assert dflash["draft_ms"]["dflash2"] > 0 and dflash["drafter"]["layers"] == 1
+    dspark = result["dspark"]  # DFlash's backbone, every slot drafting, the Markov and confidence heads in the step
+    assert set(dspark["steps"]) == {"dspark2"} and dspark["steps"]["dspark2"]["options"]["method"] == "dspark"
+    assert dspark["draft_ms"]["dspark2"] > 0 and dspark["block_ms"]["dspark2"] > 0
+    assert dspark["drafter"]["markov_rank"] == 8 and dspark["drafter"]["block_size"] == 2
+    assert dspark["drafter"]["confidence_head"] and dspark["drafter"]["sample_from_anchor"]
     text = (tmp_path / "step_cost.md").read_text()
     assert "| chain4 |" in text and "MLA drafter" in text and "DFlash drafter" in text
+    assert "DSpark drafter, 1 layers, Markov head rank 8 (vanilla) and confidence head" in text
+    assert "| dspark (dspark2, variant-dspark, verify_threshold 0.5) | 0 | 2.25 |" in text
 
 
 def test_step_cost_cut_off_keeps_the_figures_it_measured(tmp_path, monkeypatch):
@@ -74,3 +96,22 @@ def test_step_cost_cut_off_keeps_the_figures_it_measured(tmp_path, monkeypatch):
     assert written["complete"] is False and written["steps"] == {}
     assert set(written["plain_step_ms"]) == {"fused_projections"}  # the separate projections come last
     assert "INCOMPLETE" in (tmp_path / "step_cost.md").read_text()
+
+
+def test_a_block_drafter_that_fails_keeps_the_other_figures(tmp_path, monkeypatch):
+    step_cost = load("step_cost")
+    figures = step_cost.block_figures
+
+    def failing(kind, *args, **kwargs):
+        if kind == "dspark":
+            raise RuntimeError("no static step")  # what a drafter's step that does not compile does
+        return figures(kind, *args, **kwargs)
+
+    monkeypatch.setattr(step_cost, "block_figures", failing)
+    out = tmp_path / "step_cost.json"
+    result = step_cost.main(["--smoke", "--output", str(out), "--shapes=", "--parts=", "--no-separate", "--repeats",
+                             "1", "--dflash", "2", "--dflash-layers", "1", "--dspark", "2"])
+    assert result["complete"] and result["dspark"] == {"error": "RuntimeError: no static step"}
+    assert set(result["dflash"]["steps"]) == {"dflash2"} and "dflash_step<=1.15x_plain" in result["goals"]
+    assert "dspark_step<=1.15x_plain" not in result["goals"] and result["steps"] == {}
+    assert "DSpark drafter: FAILED (RuntimeError: no static step)" in (tmp_path / "step_cost.md").read_text()

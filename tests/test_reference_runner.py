@@ -31,6 +31,42 @@ def test_the_reference_runner_runs_its_parts_and_summarises_them(tmp_path):
     assert "## Speed and peers" in text and "- step_cost (" in text and "- variant " in text
     assert "- train_speed offline/eager/sdpa: " in text  # a CPU run: tokens/s, no MFU
 
+    def run_all(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", *flags, "--work",
+                               str(work), "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    # a bench option bench does not take: refused before the variant trains (nothing trained, nothing written)
+    done = run_all("--parts", "variant", "--variant", "drafter_type=dflash,block_size=3",
+                   "--variant-bench", "no_such_option=1")
+    log = done.stdout + done.stderr
+    assert done.returncode == 1 and "FAILED parts: variant" in log and "unknown config key 'no_such_option'" in log
+    assert not (work / "variant-dflash").exists() and not (out / "variant_dflash.json").exists()
+    # run_reference.sh's drafters job on the same run: a DSpark variant over its whole block (a list-valued bench
+    # option keeps its commas), then step_cost with a DSpark drafter, its bench rows projected onto its step
+    done = run_all("--parts", "variant,step_cost,summary",
+                   "--variant", "drafter_type=dspark,block_size=3,draft_layers=1", "--variant-bench", "temperatures=0,1",
+                   "--step-cost-args=--shapes= --parts= --no-separate --repeats 1 --dspark 3 --dspark-layers 1")
+    log = done.stdout + done.stderr
+    assert done.returncode == 0 and "FAILED parts" not in log, log[-3000:]
+    dspark = json.loads((out / "variant_dspark.json").read_text())
+    assert dspark["bench_options"]["chain_length"] == 3 and dspark["bench_options"]["temperatures"] == [0.0, 1.0]
+    assert {(r["method"], r["temperature"]) for r in dspark["bench"]} == {("dspark", 0.0), ("dspark", 1.0)}
+    assert all(len(r["acceptance_per_position"]) == 3 for r in dspark["bench"])
+    calibration = dspark["after_training"]  # the train manifest's calibration, per block position
+    assert calibration["calibrated"] and [p["position"] for p in calibration["positions"]] == [1, 2, 3]
+    assert {"ece_raw", "ece", "auc_raw", "auc"} <= set(calibration["positions"][0])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["variant_dspark"]["variant"]["drafter_type"] == "dspark"
+    assert summary["calibration"] == {"variant_dspark": calibration}
+    assert [e["temperature"] for e in summary["block_acceptance"]] == [0.0, 1.0]
+    assert all(set(e["drafters"]) == {"dspark"} for e in summary["block_acceptance"])  # no DFlash variant here
+    assert [r["shape"] for r in summary["step_cost_8b"]["projection"]] == ["dspark3", "dspark3"]
+    assert "dspark_step<=1.15x_plain" in summary["step_cost_8b"]["goals"]
+    assert {r["drafter"] for r in summary["methods"]} == {"eagle3", "eagle3 variant", "dspark"}
+    text = (out / "summary.md").read_text()
+    assert "## DSpark against DFlash" in text and "`variant-dspark/train/`: confidence calibrated" in text
+    assert "- step_cost dspark (draft_layers 1, Markov head rank 256): step / plain dspark3 " in text
+
 
 def test_the_summary_has_a_line_for_each_drafter_type_variant():
     import importlib.util
@@ -54,4 +90,4 @@ def test_the_summary_has_a_line_for_each_drafter_type_variant():
            "parallel T=0 tau 1.50" in lines
     assert "- variant {'drafter_type': 'dflash'}: val accuracy per position - (baseline 0.500); dflash T=0 tau 2.25" \
            in lines
-    assert run_all.VARIANT_KEYS == ("variant", "variant_p-eagle", "variant_dflash")
+    assert run_all.VARIANT_KEYS == ("variant", "variant_p-eagle", "variant_dflash", "variant_dspark")
