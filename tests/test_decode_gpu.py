@@ -70,3 +70,26 @@ def test_compiled_cuda_parallel_and_dflash_steps_equal_eager():
                 expected = generate(model, drafter, prompt, NEW, backend="eager", **options)
                 fast = decoder.generate(prompt, NEW, **options)
                 assert (fast.tokens, fast.stats.accepted) == (expected.tokens, expected.stats.accepted), (method, temperature)
+
+
+def test_compiled_cuda_dspark_step_equals_eager():
+    """DSpark (DFlash's static block, the Markov loop inside the fused step, a confidence cut) compiled into its
+    fused step: the eager reference's tokens, acceptance and drafts verified, greedy and sampled, cut or not."""
+    from test_dspark_decode import dspark_for
+
+    torch._dynamo.reset()
+    target, uniform = tiny_target("llama"), tiny_target("llama")
+    with torch.no_grad():
+        uniform.model.norm.weight.zero_()
+    drafter = dspark_for(target).cuda()
+    for model, temperature in ((target, 0.0), (target, 1.0), (uniform, 1.0)):
+        model = model.cuda()
+        decoder = Decoder(model, drafter, backend="static", compile=True, max_length=128)
+        for threshold in (0.0, 0.3):
+            for prompt in (PROMPT, LONG_PROMPT):
+                options = dict(method="dspark", chain_length=4, temperature=temperature, seed=3,
+                               verify_threshold=threshold)
+                expected = generate(model, drafter, prompt, NEW, backend="eager", **options)
+                fast = decoder.generate(prompt, NEW, **options)
+                assert (fast.tokens, fast.stats.accepted, fast.stats.verified) == (
+                    expected.tokens, expected.stats.accepted, expected.stats.verified), (temperature, threshold)
