@@ -105,15 +105,8 @@ def side_by_side(summary: dict) -> list[dict]:
     config = (summary.get("bench") or {}).get("config") or {}
     sources = [("eagle3", config, bench)]  # a variant's bench_options: its chain_length, depth and total_tokens
     sources += [(summary[key]["variant"].get("drafter_type", "eagle3 variant"), {**config, **summary[key].get("bench_options", {})},
-                 labelled(summary[key]["bench"])) for key in VARIANT_KEYS if summary.get(key)]
+                 summary[key]["bench"]) for key in VARIANT_KEYS if summary.get(key)]
     return [r for r in rows_side_by_side(bench, sources) if r["speedup_vs_plain"] is not None]
-
-
-def labelled(rows: list[dict]) -> list[dict]:
-    """Bench rows, those verified under a confidence cut named by it in their method ("dspark, verify_threshold
-    0.5": fewer drafts verified per step, the same output)."""
-    return [{**r, "method": f"{r['method']}, verify_threshold {r['verify_threshold']:g}"} if r.get("verify_threshold")
-            else r for r in rows]
 
 
 def calibrations(summary: dict) -> dict[str, dict]:

@@ -17,7 +17,9 @@
 # (run_all --quick: a 600-step target, 500-step drafters; no HF peers, no draft LM), in runs/drafters and
 # runs/drafters-results. Each part runs the summary after it, so summary.json/summary.md hold every figure measured
 # so far, and each part's own JSON lands as it finishes (a job cut off keeps the parts before):
-#   target        ~3 min    the reference target (run_all --quick --parts target)      reference_target.json
+#   target        ~3 min    the reference target (run_all --quick --parts target), and meanwhile
+#                           tests/test_decode_gpu.py (the compiled fused steps equal the eager ones, DSpark's too)
+#                                                                                      reference_target.json
 #   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
 #                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
 #                           warm-up pass                                               run/bench/bench.json
@@ -115,7 +117,11 @@ drafters_job() {
     local quick="--quick --no-draft-lm --bench-methods plain,chain,tree --bench-repeats 3" cut=()
     mkdir -p "$RESULTS"
     log start
+    ("$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
+     echo "rc=$?" >> "$RESULTS/test_decode_gpu.log") &
     run_all target,summary target $quick
+    wait
+    log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     run_all pipeline,bench,summary bench $quick
     run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
     if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then

@@ -67,7 +67,7 @@ def test_the_summary_markdown_has_the_block_drafters_section():
     summary_module = load("reference_summary")
     summary = summary_of_block_drafters()
     summary["methods"] = summary_module.side_by_side(summary)
-    cut = [r for r in summary["methods"] if r["method"] == "dspark, verify_threshold 0.5"]
+    cut = [r for r in summary["methods"] if r["method"] == "dspark (verify >= 0.5)"]
     assert len(cut) == 1 and cut[0]["speedup_vs_plain"] == 2.0 and cut[0]["drafter"] == "dspark"
     lines = summary_module.summary_markdown(summary, "").splitlines()
     assert "## DSpark against DFlash (the same block backbone, the same prompts)" in lines

@@ -60,7 +60,10 @@ def test_the_reference_runner_runs_its_parts_and_summarises_them(tmp_path):
     assert summary["calibration"] == {"variant_dspark": calibration}
     assert [e["temperature"] for e in summary["block_acceptance"]] == [0.0, 1.0]
     assert all(set(e["drafters"]) == {"dspark"} for e in summary["block_acceptance"])  # no DFlash variant here
-    assert [r["shape"] for r in summary["step_cost_8b"]["projection"]] == ["dspark3", "dspark3"]
+    # a DSpark drafter with a confidence head is benched uncut and at its type's cuts (0.3, 0.6), at each T
+    assert sorted((r["temperature"], r.get("verify_threshold", 0)) for r in dspark["bench"]) == [
+        (0.0, 0), (0.0, 0.3), (0.0, 0.6), (1.0, 0), (1.0, 0.3), (1.0, 0.6)]
+    assert [r["shape"] for r in summary["step_cost_8b"]["projection"]] == ["dspark3"] * 6
     assert "dspark_step<=1.15x_plain" in summary["step_cost_8b"]["goals"]
     assert {r["drafter"] for r in summary["methods"]} == {"eagle3", "eagle3 variant", "dspark"}
     text = (out / "summary.md").read_text()
