@@ -13,7 +13,7 @@ convention (vLLM converts them by - 1) and `t2d`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -96,15 +96,20 @@ def probe_logits(drafter: DFlashDrafter, seed: int = 0, context_length: int = 7)
         return drafter(ids, torch.arange(context_length, context_length + config.block_size)[None], context).float()
 
 
-def compare(reference: DFlashDrafter, candidate: DFlashDrafter, what: str) -> float:
-    """Max abs probe-logit difference; raises when the two drafters differ in behaviour or identity."""
-    for name in ("target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size"):
+IDENTITY = ("target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size")  # kept by a round trip
+
+
+def compare(reference: DFlashDrafter, candidate: DFlashDrafter, what: str, fields: tuple[str, ...] = IDENTITY,
+            probe: Callable[[DFlashDrafter], torch.Tensor] = probe_logits) -> float:
+    """Max abs difference of `probe`'s outputs; raises when the two drafters differ in behaviour or identity (the
+    config `fields`, the vocabulary mapping)."""
+    for name in fields:
         if getattr(reference.config, name) != getattr(candidate.config, name):
             raise EaglekitError(f"{what}: {name} changed on the round trip ({getattr(reference.config, name)} -> "
                                 f"{getattr(candidate.config, name)})")
     if not torch.equal(reference.d2t.cpu(), candidate.d2t.cpu()):
         raise EaglekitError(f"{what}: the vocabulary mapping (d2t) changed on the round trip")
-    return probe_difference(probe_logits(reference), probe_logits(candidate), reference.fc.weight.dtype, what)
+    return probe_difference(probe(reference), probe(candidate), reference.fc.weight.dtype, what)
 
 
 def export_dflash(drafter: DFlashDrafter, output: str | Path, fmt: str = "vllm",

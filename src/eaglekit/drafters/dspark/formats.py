@@ -22,21 +22,25 @@ from typing import Any
 import torch
 
 from eaglekit.drafters.dflash.formats import (
+    IDENTITY,
     check_import_target,
     checkpoint_state,
     checkpoint_tensors,
     qwen3_fields,
     shape_fields,
 )
+from eaglekit.drafters.dflash.formats import compare as dflash_compare
 from eaglekit.drafters.dflash.model import build_from_state
 from eaglekit.drafters.dspark.model import DEFAULT_BLOCK_SIZE, DSparkConfig, DSparkDrafter
 from eaglekit.errors import EaglekitError
 from eaglekit.formats.export import write_verified
-from eaglekit.formats.files import DTYPE_NAMES, probe_difference, read_config, verifier_path
+from eaglekit.formats.files import DTYPE_NAMES, read_config, verifier_path
 
 FORMATS = ("vllm", "speculators")
 ARCHITECTURE = "Qwen3DSparkModel"  # vLLM's and DeepSpec's
 SPECULATORS_ARCHITECTURE = "DSparkDraftModel"
+HEADS = ("markov_rank", "markov_head_type", "confidence_head", "confidence_head_with_markov", "sample_from_anchor",
+         "confidence_temperatures")  # kept by a round trip, beside DFlash's IDENTITY
 VLLM_MARKOV_HEADS = ("vanilla",)  # what vLLM 0.32's loader has parameters for
 
 
@@ -104,16 +108,9 @@ def probe_outputs(drafter: DSparkDrafter, seed: int = 0, context_length: int = 7
 
 
 def compare(reference: DSparkDrafter, candidate: DSparkDrafter, what: str) -> float:
-    """Max abs probe difference; raises when the two drafters differ in behaviour or identity."""
-    for name in ("target_layer_ids", "mask_token_id", "block_size", "draft_vocab_size", "markov_rank",
-                 "markov_head_type", "confidence_head", "confidence_head_with_markov", "sample_from_anchor",
-                 "confidence_temperatures"):
-        if getattr(reference.config, name) != getattr(candidate.config, name):
-            raise EaglekitError(f"{what}: {name} changed on the round trip ({getattr(reference.config, name)} -> "
-                                f"{getattr(candidate.config, name)})")
-    if not torch.equal(reference.d2t.cpu(), candidate.d2t.cpu()):
-        raise EaglekitError(f"{what}: the vocabulary mapping (d2t) changed on the round trip")
-    return probe_difference(probe_outputs(reference), probe_outputs(candidate), reference.fc.weight.dtype, what)
+    """Max abs probe difference (logits and confidences); raises when the two drafters differ in behaviour or
+    identity (DFlash's fields and the heads')."""
+    return dflash_compare(reference, candidate, what, (*IDENTITY, *HEADS), probe_outputs)
 
 
 def export_dspark(drafter: DSparkDrafter, output: str | Path, fmt: str = "vllm",
