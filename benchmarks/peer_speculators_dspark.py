@@ -151,6 +151,19 @@ def import_peer(checkpoint: str, output: Path) -> dict[str, Any]:
     return {"command": ["eaglekit", "import", checkpoint, "target=tiny", f"output={output}"], "drafter": str(output)}
 
 
+def validated(trainer: Any, folder: str, embedding: torch.Tensor) -> dict[str, Any]:
+    """eaglekit's validation (`Trainer.validate`) of the drafter saved in `folder`; a drafter saved without its
+    embedding (what `eaglekit import` writes: the engines share the target's) gets the target's `embedding`, as
+    decoding gives it (a zero embedding would validate a drafter that reads nothing of its block's tokens)."""
+    from eaglekit.formats.saved import load_saved_drafter
+
+    drafter = load_saved_drafter(folder, torch.device("cpu"))
+    if not bool(drafter.embed_tokens.weight.any()):
+        drafter.load_target_embedding(embedding)
+    assert bool(drafter.embed_tokens.weight.any()), folder
+    return evaluate(trainer, drafter)
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# eaglekit's DSpark trainer against speculators {report['versions']['peer'].get('speculators', '?')} "
              f"({report['environment'].get('commit', '?')[:12]}, CPU)", "", f"`{' '.join(report['commands']['this'])}`",
@@ -199,7 +212,6 @@ def decode_rows(bench: Any, name: str, folder: str, settings: Any) -> list[dict[
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from eaglekit.config import to_dict
-    from eaglekit.formats.saved import load_saved_drafter
     from eaglekit.manifest import atomic_write_json, atomic_write_text, environment
 
     argv = sys.argv[1:] if argv is None else argv
@@ -221,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "versions": {"peer": versions, "eaglekit_torch": torch.__version__}, "data": training["data"]}
     with contextlib.ExitStack() as stack:
         trainer = eaglekit_context(work, "cpu", peer_work, stack)
+        embedding = trainer.drafter.embed_tokens.weight.detach().clone()  # the target's (frozen in training)
         tokens_per_step = eaglekit_tokens_per_step(trainer, args.steps)
         conv = convert(trainer, final_norm_weight(trainer.config.target), peer_work / "data", torch.float32)
         lengths, seed = conv.pop("train_lengths"), trainer.config.seed
@@ -238,11 +251,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     step_ms=step_ms(Path(peer["log"])))
         report["eaglekit"] = {"drafter": ours["drafter"], "wall_s": ours["train_wall_s"], "steps": ours["steps"],
                               "tokens_per_step": tokens_per_step, "manifest_val": ours["val"],
-                              "val": evaluate(trainer, load_saved_drafter(ours["drafter"], torch.device("cpu")))}
+                              "val": validated(trainer, ours["drafter"], embedding)}
         report["peer"] = peer
         if "error" not in peer:
             peer.update(import_peer(peer["checkpoint"], peer_work / "peer_eaglekit"))
-            peer["val"] = evaluate(trainer, load_saved_drafter(peer["drafter"], torch.device("cpu")))
+            peer["val"] = validated(trainer, peer["drafter"], embedding)
             if peer.get("steps") != args.steps:
                 report["not_matched"].append({"setting": "steps", "why": f"speculators performed {peer.get('steps')} "
                                               f"optimizer steps, {args.steps} were asked"})
