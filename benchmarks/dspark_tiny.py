@@ -3,7 +3,7 @@ eaglekit, both decoded by eaglekit's decoder on prompts neither was trained on.
 
     python benchmarks/dspark_tiny.py --out benchmarks/results/latest      # dspark_tiny.json + .md (minutes, CPU)
     python benchmarks/dspark_tiny.py --steps 800 --block-size 7 --out X   # another budget or block
-    python benchmarks/dspark_tiny.py --smoke --out /tmp/dspark_smoke      # toy sizes, seconds
+    python benchmarks/dspark_tiny.py --smoke                              # toy sizes, seconds, a temporary folder
 
 1. Data and training: one `eaglekit run` into --work (`stages=regen,extract,vocab,train`,
    `drafter_types=dspark,dflash`): the target regenerates its own greedy answers to the shipped prompts
@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -292,9 +293,17 @@ def show_progress() -> None:
     logging.getLogger("eaglekit").setLevel(logging.INFO)
 
 
+def output_folder(out: str, smoke: bool, name: str) -> Path:
+    """--out, else runs/benchmarks (a smoke run: a fresh temporary folder, never the results)."""
+    if out:
+        return Path(out)
+    return Path(tempfile.mkdtemp(prefix=f"{name}_smoke_")) if smoke else Path("runs/benchmarks")
+
+
 def parse(argv: list[str]) -> tuple[Any, Settings]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/benchmarks", help="folder for dspark_tiny.json and dspark_tiny.md")
+    parser.add_argument("--out", default="", help="folder for dspark_tiny.json and dspark_tiny.md (default "
+                        "runs/benchmarks; --smoke: a temporary folder)")
     parser.add_argument("--work", default="", help=f"the eaglekit run's folder (default {WORK}; --smoke: OUT/work)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes (seconds): checks the script, no figures")
     add_settings(parser)
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     args, settings = parse(argv)
     show_progress()
-    out = Path(args.out)
+    out = output_folder(args.out, args.smoke, "dspark_tiny")
     work = Path(args.work) if args.work else (out / "work" if args.smoke else Path(WORK))
     started = time.perf_counter()
     training = train_drafters(settings, work)

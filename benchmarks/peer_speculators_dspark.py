@@ -3,7 +3,7 @@ trainer on the same tiny-target data, shape, anchors and steps, both decoded by 
 
     python benchmarks/peer_speculators_dspark.py --out benchmarks/results/latest   # peer_speculators_dspark.json + .md
     python benchmarks/peer_speculators_dspark.py --peer-loss-fn kl_div --out X     # speculators' default loss instead
-    python benchmarks/peer_speculators_dspark.py --smoke --out /tmp/peer_smoke     # toy sizes
+    python benchmarks/peer_speculators_dspark.py --smoke                           # toy sizes, a temporary folder
 
 1. eaglekit's side is benchmarks/dspark_tiny.py's run (`train_drafters`, DSpark alone): the target's greedy answers
    to the shipped prompts, extracted, vocabulary, `eaglekit train drafter_type=dspark`. With the default --work it is
@@ -53,7 +53,9 @@ DEEPSPEC_LOSS = '{"ce": 0.1, "tv": 1.8}'  # eaglekit's 0.1 CE + 0.9 L1 (= 1.8 TV
 
 
 def default_peer_python() -> str:
-    return os.environ.get("EAGLEKIT_SPECULATORS_PYTHON") or ".venv-speculators/bin/python"
+    """$EAGLEKIT_SPECULATORS_PYTHON, else the checkout's .venv-speculators (what `make speculators-env` builds)."""
+    checkout = Path(__file__).resolve().parents[1] / ".venv-speculators" / "bin" / "python"
+    return os.environ.get("EAGLEKIT_SPECULATORS_PYTHON") or str(checkout)
 
 
 def peer_settings(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str, Any], conv: dict[str, Any],
@@ -187,7 +189,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parse(argv: list[str]) -> tuple[Any, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/benchmarks", help="folder for peer_speculators_dspark.json and .md")
+    parser.add_argument("--out", default="", help="folder for peer_speculators_dspark.json and .md (default "
+                        "runs/benchmarks; --smoke: a temporary folder)")
     parser.add_argument("--work", default="", help=f"the eaglekit run (default {dspark_tiny.WORK}, dspark_tiny.py's; "
                         "--smoke: OUT/work); the peer's files go to WORK/peer_speculators_dspark")
     parser.add_argument("--smoke", action="store_true", help="toy sizes: checks the script, no figures")
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, settings = parse(argv)
     dspark_tiny.show_progress()
     versions = peer_versions(args.peer_python)
-    out = Path(args.out)
+    out = dspark_tiny.output_folder(args.out, args.smoke, "peer_speculators_dspark")
     work = Path(args.work) if args.work else (out / "work" if args.smoke else Path(dspark_tiny.WORK))
     peer_work = work / "peer_speculators_dspark"
     started = time.perf_counter()

@@ -71,11 +71,16 @@ def test_dspark_tiny_smoke_benches_both_drafters_with_the_threshold_sweep_and_th
     assert "| dflash | dflash |" in text and "## DSpark's confidence" in text
 
 
+@pytest.fixture(scope="module")
+def peer_python():
+    return engines.speculators_python()  # skips (fails under CI) naming `make speculators-env` when not built
+
+
 @pytest.mark.engine
-def test_peer_speculators_dspark_smoke_trains_imports_and_benches_the_peer(smoke, tmp_path):
-    python = engines.speculators_python()  # skips (fails under CI) naming `make speculators-env` when not built
+def test_peer_speculators_dspark_smoke_trains_imports_and_benches_the_peer(peer_python, smoke, tmp_path):
+    # peer_python first: without speculators the test skips before the smoke run it shares
     load("peer_speculators_dspark").main(["--smoke", "--out", str(tmp_path), "--work", str(smoke / "work"),
-                                          "--peer-python", python])
+                                          "--peer-python", peer_python])
     report = json.loads((tmp_path / "peer_speculators_dspark.json").read_text())
     assert report["status"] == "ok" and report["versions"]["peer"]["speculators"] == "0.9.0"
     ours, peer, flags = report["eaglekit"], report["peer"], report["settings"]["peer"]
