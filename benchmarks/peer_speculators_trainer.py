@@ -128,8 +128,14 @@ def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str
         "train-data-ratio": conv["train_data_ratio"], "hidden-states-dtype": "float32" if amp is None else "bfloat16",
         "num-workers": args.peer_workers, "on-missing": "raise", "no-resume-from-checkpoint": True, "log-freq": 1,
     }
+    return train_command(args.peer_python, settings, cuda), settings
+
+
+def train_command(python: str, settings: dict[str, Any], cuda: bool) -> list[str]:
+    """`speculators train` in `python` with `settings` as its flags (True: `--key`, False: `--no-key`, a list: its
+    items); on a machine without CUDA through `CPU_LAUNCHER`."""
     launch = ["-m", "speculators"] if cuda else ["-c", CPU_LAUNCHER]
-    cmd = [args.peer_python, *launch, "train"]
+    cmd = [python, *launch, "train"]
     for key, value in settings.items():
         if value is True:
             cmd.append(f"--{key}")
@@ -139,7 +145,7 @@ def peer_command(args: Any, trainer: Any, data: Path, save: Path, plan: dict[str
             cmd += [f"--{key}", *map(str, value)]
         else:
             cmd += [f"--{key}", str(value)]
-    return cmd, settings
+    return cmd
 
 
 def shown(cmd: list[str]) -> list[str]:

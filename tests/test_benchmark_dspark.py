@@ -1,0 +1,102 @@
+"""benchmarks/dspark_tiny.py and benchmarks/peer_speculators_dspark.py at toy sizes on the CPU: every row, the
+calibration and the peer's settings present and consistent with each other (the figures come from the benchmarks'
+real runs, never from here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import engines
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """dspark_tiny.py --smoke: its report, and the eaglekit run the peer comparison reuses."""
+    out = tmp_path_factory.mktemp("dspark_tiny")
+    load("dspark_tiny").main(["--smoke", "--out", str(out), "--work", str(out / "work")])
+    return out
+
+
+def check_rows(rows: list[dict], block: int) -> None:
+    for row in rows:
+        acceptance = row["acceptance_per_position"]
+        assert len(acceptance) == row["chain_length"] and row["steps"] > 0
+        assert all(a >= b for a, b in zip(acceptance, acceptance[1:]))  # a draft is accepted after its prefix only
+        assert row["tau"] == pytest.approx(1 + sum(acceptance))
+        assert row["accepted_per_step"] == pytest.approx(sum(acceptance))
+        assert 0 <= row["drafts_verified_per_step"] <= row["chain_length"] <= block
+        if row["verify_threshold"] == 0:  # no cut: every draft is verified
+            assert row["drafts_verified_per_step"] == row["chain_length"]
+        if row["drafts_verified_per_step"] > 0:
+            assert row["acceptance_rate"] == pytest.approx(row["accepted_per_step"] / row["drafts_verified_per_step"])
+        if row["temperature"] == 0:  # lossless: every prompt decodes to plain greedy decoding's tokens
+            assert row["prompts_equal_to_plain_greedy"] == row["prompts"]
+
+
+def test_dspark_tiny_smoke_benches_both_drafters_with_the_threshold_sweep_and_the_calibration(smoke):
+    report = json.loads((smoke / "dspark_tiny.json").read_text())
+    settings, drafters = report["settings"], report["training"]["drafters"]
+    block = settings["block_size"]
+    assert set(drafters) == {"dspark", "dflash"} and report["environment"]["commit"]
+    for kind, drafter in drafters.items():  # the same backbone and budget for both
+        assert drafter["steps"] == settings["steps"] and drafter["train_wall_s"] > 0
+        config = drafter["config"]
+        assert (config["block_size"], config["num_hidden_layers"]) == (block, settings["draft_layers"])
+    rows = report["rows"]
+    check_rows(rows, block)
+    dspark = [(r["chain_length"], r["verify_threshold"]) for r in rows if r["drafter"] == "dspark"]
+    assert dspark == [(block, t) for t in settings["thresholds"]] + [(block - 1, 0.0)]
+    assert [r["chain_length"] for r in rows if r["drafter"] == "dflash"] == [block - 1]  # its whole block
+    whole = next(r for r in rows if r["drafter"] == "dspark" and r["verify_threshold"] == 0)
+    assert [p["position"] for p in whole["decode_calibration"]] == list(range(1, block + 1))
+    calibration = drafters["dspark"]["after_training"]
+    assert calibration["calibrated"] and len(calibration["positions"]) == block
+    text = (smoke / "dspark_tiny.md").read_text()
+    assert "| dflash | dflash |" in text and "## DSpark's confidence" in text
+
+
+@pytest.fixture(scope="module")
+def peer_python():
+    return engines.speculators_python()  # skips (fails under CI) naming `make speculators-env` when not built
+
+
+@pytest.mark.engine
+def test_peer_speculators_dspark_smoke_trains_imports_and_benches_the_peer(peer_python, smoke, tmp_path):
+    # peer_python first: without speculators the test skips before the smoke run it shares
+    load("peer_speculators_dspark").main(["--smoke", "--out", str(tmp_path), "--work", str(smoke / "work"),
+                                          "--peer-python", peer_python])
+    report = json.loads((tmp_path / "peer_speculators_dspark.json").read_text())
+    assert report["status"] == "ok" and report["versions"]["peer"]["speculators"] == "0.9.0"
+    ours, peer, flags = report["eaglekit"], report["peer"], report["settings"]["peer"]
+    settings, train = report["settings"]["benchmark"], report["settings"]["eaglekit_train"]
+    assert peer["steps"] == ours["steps"] == settings["steps"] and peer["wall_s"] > 0
+    assert flags["speculator-type"] == "dspark" and flags["max-steps"] == settings["steps"]
+    assert flags["max-anchors"] == train["batch_size"] * train["num_anchors"]
+    assert math.exp(-1 / flags["dflash-decay-gamma"]) == pytest.approx(train["step_decay"])
+    assert flags["full-attention-indices"] == list(range(settings["draft_layers"]))
+    imported = json.loads((Path(peer["drafter"]) / "config.json").read_text())  # `eaglekit import`'s DSpark drafter
+    assert imported["drafter_type"] == "dspark"
+    for key in ("block_size", "num_hidden_layers", "markov_rank", "target_layer_ids", "mask_token_id", "hidden_size"):
+        assert imported[key] == report["settings"]["eaglekit"][key], key
+    assert imported["confidence_temperatures"] == []  # speculators ships no calibration
+    for side in (ours, peer):
+        assert len(side["val"]["acc_k"]) == settings["block_size"]
+        check_rows(side["rows"], settings["block_size"])
+    assert {"loss", "anchors", "lm_head", "calibration"} <= {item["setting"] for item in report["not_matched"]}
+    assert "| speculators | dspark |" in (tmp_path / "peer_speculators_dspark.md").read_text()
