@@ -83,14 +83,20 @@ def checkpoint_state(drafter: DFlashDrafter, fmt: str, dtype: torch.dtype) -> di
     return state
 
 
-def probe_logits(drafter: DFlashDrafter, seed: int = 0, context_length: int = 7) -> torch.Tensor:
-    """Block logits (1, S, Vd) on a fixed random context and block."""
+def probe_inputs(drafter: Any, generator: torch.Generator, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random context (1, T, n_aux * H_target) and block (1, S): an anchor token, then mask tokens."""
     config = drafter.config
-    generator = torch.Generator().manual_seed(seed)
     aux = torch.randn(1, context_length, len(config.target_layer_ids) * config.target_hidden_size,
                       generator=generator).to(drafter.fc.weight.dtype)
     ids = torch.full((1, config.block_size), config.mask_token_id)
     ids[0, 0] = int(torch.randint(0, config.vocab_size, (1,), generator=generator))
+    return aux, ids
+
+
+def probe_logits(drafter: DFlashDrafter, seed: int = 0, context_length: int = 7) -> torch.Tensor:
+    """Block logits (1, S, Vd) on a fixed random context and block."""
+    config = drafter.config
+    aux, ids = probe_inputs(drafter, torch.Generator().manual_seed(seed), context_length)
     with torch.no_grad():
         context = drafter.context(aux, torch.arange(context_length)[None])
         return drafter(ids, torch.arange(context_length, context_length + config.block_size)[None], context).float()

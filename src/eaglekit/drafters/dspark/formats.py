@@ -26,6 +26,7 @@ from eaglekit.drafters.dflash.formats import (
     check_import_target,
     checkpoint_state,
     checkpoint_tensors,
+    probe_inputs,
     qwen3_fields,
     shape_fields,
 )
@@ -92,10 +93,7 @@ def probe_outputs(drafter: DSparkDrafter, seed: int = 0, context_length: int = 7
     drafted position and its raw confidence logit (0 without a confidence head)."""
     config = drafter.config
     generator = torch.Generator().manual_seed(seed)
-    aux = torch.randn(1, context_length, len(config.target_layer_ids) * config.target_hidden_size,
-                      generator=generator).to(drafter.fc.weight.dtype)
-    ids = torch.full((1, config.block_size), config.mask_token_id)
-    ids[0, 0] = int(torch.randint(0, config.vocab_size, (1,), generator=generator))
+    aux, ids = probe_inputs(drafter, generator, context_length)
     prev = torch.randint(0, config.vocab_size, (1, config.max_drafts), generator=generator)
     with torch.no_grad():
         context = drafter.context(aux, torch.arange(context_length)[None])
