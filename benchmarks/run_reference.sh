@@ -23,13 +23,13 @@
 #   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
 #                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
 #                           warm-up pass                                               run/bench/bench.json
-#   dflash        ~2 min    variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
-#                                                                                      variant_dflash.json
 #   dspark        ~2.5 min  variant drafter_type=dspark,block_size=8,draft_layers=2 (the same backbone): method
 #                           dspark, a chain of 8 (every block slot drafts), its calibration; with bench's
 #                           verify_thresholds option (when this eaglekit's bench has it), also a row per
 #                           threshold (DSPARK_VERIFY_THRESHOLDS, about 15 s each once compiled)
 #                                                                                      variant_dspark.json
+#   dflash        ~2 min    variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
+#                                                                                      variant_dflash.json
 #   step_cost     ~6 min    8B-shaped steps (random weights): plain, DFlash at k = 4, 7, DSpark at k = 4, 7, 8
 #                           (8: the variant's chain, for its projection), each with its drafting part alone; both
 #                           variants' and the bench's rows projected onto them         step_cost_8b.json
@@ -49,6 +49,8 @@
 #   DSPARK_VERIFY_THRESHOLDS  JOB drafters: the DSpark variant's bench verify_thresholds (default 0,0.3,0.5,0.7;
 #                         empty: none)
 #   STEP_COST_ARGS        JOB drafters: step_cost.py's flags (default: the shapes above)
+#   DRAFTERS_BENCH_METHODS  JOB drafters: the run's own bench methods (default plain,chain,tree; plain is the
+#                         baseline of every variant's speed-up)
 #   WAIT_S                `wait` returns after this many seconds even if the job runs on (default 0: no limit)
 #   PYTHON                the Python with eaglekit's dependencies (default python3)
 #   EAGLEKIT_COMMIT       the commit the JSON files name, for a copied tree without .git
@@ -114,7 +116,7 @@ sys.exit('$1' not in {f.name for f in dataclasses.fields(Config)})" 2>/dev/null
 }
 
 drafters_job() {
-    local quick="--quick --no-draft-lm --bench-methods plain,chain,tree --bench-repeats 3" cut=()
+    local quick="--quick --no-draft-lm --bench-methods ${DRAFTERS_BENCH_METHODS:-plain,chain,tree} --bench-repeats 3" cut=()
     mkdir -p "$RESULTS"
     log start
     ("$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
@@ -123,7 +125,6 @@ drafters_job() {
     wait
     log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     run_all pipeline,bench,summary bench $quick
-    run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
     if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then
         cut=(--variant-bench "verify_thresholds=$VERIFY")
     elif [ -n "$VERIFY" ]; then
@@ -131,6 +132,7 @@ drafters_job() {
     fi
     run_all variant,summary variant_dspark $quick --variant drafter_type=dspark,block_size=8,draft_layers=2 \
         ${cut[@]+"${cut[@]}"}
+    run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
     run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
     log DONE
 }
