@@ -83,7 +83,8 @@ def checkpoint_state(drafter: DFlashDrafter, fmt: str, dtype: torch.dtype) -> di
     return state
 
 
-def probe_inputs(drafter: Any, generator: torch.Generator, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_inputs(drafter: DFlashDrafter, generator: torch.Generator, context_length: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed random context (1, T, n_aux * H_target) and block (1, S): an anchor token, then mask tokens."""
     config = drafter.config
     aux = torch.randn(1, context_length, len(config.target_layer_ids) * config.target_hidden_size,
