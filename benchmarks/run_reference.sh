@@ -28,8 +28,11 @@
 #                           verify_thresholds option (when this eaglekit's bench has it), also a row per
 #                           threshold (DSPARK_VERIFY_THRESHOLDS, about 15 s each once compiled)
 #                                                                                      variant_dspark.json
+#   probe         ~1 min    benchmarks/block_probe.py on the DSpark drafter: its decoded acceptance per position
+#                           against the training forward's on the same answers     block_probe_dspark.json
 #   dflash        ~2 min    variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
 #                                                                                      variant_dflash.json
+#   probe         ~1 min    the same on the DFlash drafter                           block_probe_dflash.json
 #   step_cost     ~6 min    8B-shaped steps (random weights): plain, DFlash at k = 4, 7, DSpark at k = 4, 7, 8
 #                           (8: the variant's chain, for its projection), each with its drafting part alone; both
 #                           variants' and the bench's rows projected onto them         step_cost_8b.json
@@ -115,6 +118,12 @@ has_bench_option() {  # this eaglekit's bench stage takes option $1
 sys.exit('$1' not in {f.name for f in dataclasses.fields(Config)})" 2>/dev/null
 }
 
+probe() {  # block_probe.py on variant $1's drafter: decoded against the training forward on the bench's prompts
+    "$PYTHON" benchmarks/block_probe.py --work "$WORK" --drafter "$WORK/variant-$1/train" --backend static \
+        --out "$RESULTS/block_probe_$1.json" > "$RESULTS/block_probe_$1.log" 2>&1
+    log "block_probe $1 rc=$?"
+}
+
 drafters_job() {
     local quick="--quick --no-draft-lm --bench-methods ${DRAFTERS_BENCH_METHODS:-plain,chain,tree} --bench-repeats 3" cut=()
     mkdir -p "$RESULTS"
@@ -132,7 +141,9 @@ drafters_job() {
     fi
     run_all variant,summary variant_dspark $quick --variant drafter_type=dspark,block_size=8,draft_layers=2 \
         ${cut[@]+"${cut[@]}"}
+    probe dspark
     run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
+    probe dflash
     run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
     log DONE
 }
@@ -180,7 +191,7 @@ case "${1:-}" in
         mkdir -p runs
         entry=job
         [ "$JOB" = drafters ] && entry=drafters_job
-        export -f log run_all job has_bench_option drafters_job
+        export -f log run_all job has_bench_option probe drafters_job
         export JOB RESULTS WORK FLAGS WHEELS PYTHON VERIFY STEP_COST
         nohup setsid bash -c "$entry" > "$LOG" 2>&1 < /dev/null &
         echo $! > "$PID"
