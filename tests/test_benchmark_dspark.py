@@ -100,3 +100,30 @@ def test_peer_speculators_dspark_smoke_trains_imports_and_benches_the_peer(peer_
         check_rows(side["rows"], settings["block_size"])
     assert {"loss", "anchors", "lm_head", "calibration"} <= {item["setting"] for item in report["not_matched"]}
     assert "| speculators | dspark |" in (tmp_path / "peer_speculators_dspark.md").read_text()
+
+
+def test_drafters_summary_decides_each_goal_on_its_figures_or_names_what_is_missing(tmp_path):
+    """benchmarks/drafters_summary.py on a drafters job's results: the goals from the rows' own tau and speed-ups,
+    the step costs, and what did not run."""
+    summary = load("drafters_summary")
+    rows = [{"drafter": "eagle3", "method": "tree", "drafts": "tree", "temperature": 0.0, "tokens_per_second": 20.0,
+             "speedup_vs_plain": 2.0, "tau": 4.0, "acceptance_per_position": [0.9, 0.8]},
+            {"drafter": "dspark", "method": "dspark", "drafts": "2", "temperature": 0.0, "tokens_per_second": 15.0,
+             "speedup_vs_plain": 1.5, "tau": 3.0, "acceptance_per_position": [0.8, 0.6]},
+            {"drafter": "dflash", "method": "dflash", "drafts": "2", "temperature": 0.0, "tokens_per_second": 12.0,
+             "speedup_vs_plain": 1.2, "tau": 2.5, "acceptance_per_position": [0.7, 0.4]}]
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "summary.json").write_text(json.dumps({"methods": rows, "bench": {"rows": [
+        {"method": "plain", "temperature": 0.0, "tokens_per_second": 10.0}]}}))
+    found = summary.build(results, ["cmd"])
+    assert not found["complete"] and "step_cost_8b" in found["missing"]
+    goals = found["goals"]
+    assert goals["dspark_tau>=1.15x_dflash"]["ratio"] == pytest.approx(1.2) and goals["dspark_tau>=1.15x_dflash"]["met"]
+    assert goals["best>=2.5x_plain"]["method"] == "tree" and not goals["best>=2.5x_plain"]["met"]
+    assert goals["dspark_step<=1.15x_plain"]["met"] is None
+    (results / "step_cost_8b.json").write_text(json.dumps({"dspark": {"steps": {"dspark7": {"ratio_to_plain": 1.1}}}}))
+    found = summary.build(results, ["cmd"])
+    assert found["goals"]["dspark_step<=1.15x_plain"] == {"ratio_to_plain": {"dspark7": 1.1}, "met": True}
+    assert summary.conditional([0.8, 0.6]) == [0.8, pytest.approx(0.75)]
+    assert "| dspark | dspark | 2 | 0 | 15.0 | 1.50x | 3.00 | 0.80 0.60 | 0.80 0.75 |" in summary.markdown(found)

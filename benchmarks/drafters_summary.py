@@ -1,0 +1,183 @@
+"""The drafter types side by side from one `run_reference.sh ... drafters` job's results: every decoding row, each
+drafter's validation, where a block drafter loses its drafts (block_probe), the 8B-shape step costs, and the goals
+(DSpark's tau >= 1.15x DFlash's, the best method >= 2.5x plain, a DSpark step <= 1.15x plain), each with the figures
+it is decided on, or missing with the part that did not run.
+
+    python benchmarks/drafters_summary.py --results runs/drafters-results --out benchmarks/results/latest \\
+        --command "bash benchmarks/run_reference.sh start drafters" ...
+
+Writes --out/drafters_side_by_side.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eaglekit.manifest import atomic_write_json, atomic_write_text  # noqa: E402
+
+GOAL_DSPARK_OVER_DFLASH = 1.15
+GOAL_BEST_SPEEDUP = 2.5
+GOAL_DSPARK_STEP = 1.15
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def estimated_tau(accuracy: list[float]) -> float:
+    """Validation accuracy per position (teacher-forced) -> 1 + sum of the running products."""
+    tau, survive = 1.0, 1.0
+    for a in accuracy:
+        survive *= a
+        tau += survive
+    return tau
+
+
+def conditional(acceptance: list[float]) -> list[float | None]:
+    """Acceptance per position -> the same given the position before."""
+    return [a / b if b else None for a, b in zip(acceptance, [1.0] + acceptance[:-1])]
+
+
+def validation(summary: dict[str, Any]) -> dict[str, Any]:
+    found = {}
+    for kind in ("dspark", "dflash"):
+        variant = summary.get(f"variant_{kind}") or {}
+        val = (variant.get("trained") or {}).get("val")
+        if val:
+            found[kind] = {"accuracy": val["acc_k"], "estimated_tau": estimated_tau(val["acc_k"]),
+                           "steps": variant["trained"].get("steps")}
+    return found
+
+
+def rows_at(summary: dict[str, Any], temperature: float) -> list[dict[str, Any]]:
+    return [r for r in summary.get("methods") or [] if r.get("temperature") == temperature]
+
+
+def goals(summary: dict[str, Any], step_cost: dict[str, Any] | None) -> dict[str, Any]:
+    rows = [r for r in rows_at(summary, 0.0) if not r.get("verify_threshold")]
+    by_drafter = {r["drafter"]: r for r in rows if r["drafter"] in ("dspark", "dflash")}
+    found: dict[str, Any] = {}
+    if {"dspark", "dflash"} <= set(by_drafter):
+        ratio = by_drafter["dspark"]["tau"] / by_drafter["dflash"]["tau"]
+        found["dspark_tau>=1.15x_dflash"] = {"dspark_tau": by_drafter["dspark"]["tau"],
+                                             "dflash_tau": by_drafter["dflash"]["tau"], "ratio": ratio,
+                                             "met": ratio >= GOAL_DSPARK_OVER_DFLASH}
+    else:
+        found["dspark_tau>=1.15x_dflash"] = {"met": None, "missing": sorted({"dspark", "dflash"} - set(by_drafter))}
+    measured = [r for r in rows if r.get("speedup_vs_plain")]
+    if measured:
+        best = max(measured, key=lambda r: r["speedup_vs_plain"])
+        found["best>=2.5x_plain"] = {"drafter": best["drafter"], "method": best["method"],
+                                     "speedup": best["speedup_vs_plain"], "tau": best["tau"],
+                                     "met": best["speedup_vs_plain"] >= GOAL_BEST_SPEEDUP}
+    steps = ((step_cost or {}).get("dspark") or {}).get("steps") or {}
+    if steps:
+        ratios = {name: step["ratio_to_plain"] for name, step in steps.items()}
+        found["dspark_step<=1.15x_plain"] = {"ratio_to_plain": ratios,
+                                             "met": all(r <= GOAL_DSPARK_STEP for r in ratios.values())}
+    else:
+        found["dspark_step<=1.15x_plain"] = {"met": None, "missing": "step_cost_8b.json has no DSpark step"}
+    return found
+
+
+def probes(results: Path) -> dict[str, Any]:
+    found = {}
+    for path in sorted(results.glob("block_probe_*.json")):
+        data = load(path)
+        for drafter in (data or {}).get("drafters", {}).values():
+            found[path.stem.removeprefix("block_probe_")] = drafter
+    return found
+
+
+def fmt(values: list[float | None] | None) -> str:
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values or [])
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    lines = [f"# Drafter types side by side on the reference target ({env.get('gpu', 'CPU')}, commit "
+             f"{env.get('commit')})", ""]
+    if not result["complete"]:
+        lines += [f"Incomplete: {', '.join(result['missing'])} did not run.", ""]
+    lines += ["| drafter | method | drafts | T | tokens/s | speed-up | tau | acceptance per position "
+              "| given the one before |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["methods"]:
+        cut = f" (cut {r['verify_threshold']:g})" if r.get("verify_threshold") else ""
+        speedup = f"{r['speedup_vs_plain']:.2f}x" if r.get("speedup_vs_plain") else "-"
+        lines.append(f"| {r['drafter']} | {r['method']}{cut} | {r['drafts']} | {r['temperature']:g} | "
+                     f"{r['tokens_per_second']:.1f} | {speedup} | {r['tau']:.2f} | {fmt(r['acceptance_per_position'])} "
+                     f"| {fmt(conditional(r['acceptance_per_position']))} |")
+    lines += ["", f"Plain: {', '.join(f'{v:.1f} tok/s at T={t}' for t, v in result['plain'].items())}.", "",
+              "Validation (the run's held-out split, teacher-forced accuracy per position):", ""]
+    for kind, val in result["validation"].items():
+        lines.append(f"- {kind}: {fmt(val['accuracy'])}, estimated tau {val['estimated_tau']:.2f} "
+                     f"({val['steps']} steps)")
+    if result["block_probe"]:
+        lines += ["", "Where the drafts are lost (benchmarks/block_probe.py, T=0, the bench's prompts; acceptance of "
+                  "each position given the one before):", "",
+                  "| drafter | decoded (eager) | decoded (static) | training forward at the decode's blocks | agree | "
+                  "training forward at every position | validation (calibration) |", "|---|---|---|---|---|---|---|"]
+        for kind, p in result["block_probe"].items():
+            decoded = p["decoded"]
+            at = p["teacher_forced_at_decode_anchors"]
+            lines.append(f"| {kind} | {fmt(decoded['eager']['conditional'])} | "
+                         f"{fmt(decoded.get('static', {}).get('conditional'))} | {fmt(at['conditional'])} | "
+                         f"{at['agree']:.3f} | {fmt(p['teacher_forced_all_anchors']['conditional'])} | "
+                         f"{fmt(p['validation'].get('calibration_conditional'))} |")
+    if result["step_cost"]:
+        lines += ["", "8B-shaped steps (random weights): " + ", ".join(
+            f"{name} {ratio:.3f}x plain" for name, ratio in result["step_cost"].items()) + "."]
+    lines += ["", "Goals (T=0):", ""]
+    for name, goal in result["goals"].items():
+        state = "missing" if goal["met"] is None else ("met" if goal["met"] else "not met")
+        figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in goal.items()
+                            if k not in ("met",) and not isinstance(v, dict))
+        lines.append(f"- {name}: {state} ({figures})")
+    lines += ["", "Commands:", ""] + [f"    {c}" for c in result["commands"]]
+    return "\n".join(lines) + "\n"
+
+
+def build(results: Path, commands: list[str]) -> dict[str, Any]:
+    summary = load(results / "summary.json") or {}
+    step_cost = load(results / "step_cost_8b.json") or summary.get("step_cost_8b")
+    parts = {"bench": summary.get("bench"), "variant_dspark": summary.get("variant_dspark"),
+             "variant_dflash": summary.get("variant_dflash"), "step_cost_8b": step_cost}
+    variant = summary.get("variant_dspark") or summary.get("variant_dflash") or {}
+    plain = {str(r["temperature"]): r["tokens_per_second"] for r in (summary.get("bench") or {}).get("rows", [])
+             if r["method"] == "plain"}
+    steps = {}
+    for kind in ("dflash", "dspark"):
+        steps.update({name: s["ratio_to_plain"] for name, s in (((step_cost or {}).get(kind) or {}).get("steps")
+                                                                 or {}).items()})
+    missing = [name for name, part in parts.items() if not part]
+    environment = variant.get("environment") or summary.get("environment", {})
+    return {"benchmark": "drafters_side_by_side", "environment": environment,
+            "complete": not missing, "missing": missing, "plain": plain, "methods": summary.get("methods") or [],
+            "validation": validation(summary), "block_acceptance": summary.get("block_acceptance"),
+            "calibration": summary.get("calibration"), "block_probe": probes(results), "step_cost": steps,
+            "goals": goals(summary, step_cost), "reference_target": summary.get("reference_target"),
+            "commands": commands}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", required=True, help="a drafters job's results folder (runs/drafters-results)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--command", action="append", default=[], help="the job's commands, as run (repeatable)")
+    args = parser.parse_args(argv)
+    result = build(Path(args.results), args.command)
+    out = Path(args.out)
+    atomic_write_json(out / "drafters_side_by_side.json", result)
+    atomic_write_text(out / "drafters_side_by_side.md", markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
