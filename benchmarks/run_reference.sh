@@ -20,6 +20,9 @@
 #   target        ~3 min    the reference target (run_all --quick --parts target), and meanwhile
 #                           tests/test_decode_gpu.py (the compiled fused steps equal the eager ones, DSpark's too)
 #                                                                                      reference_target.json
+#   step_cost     ~6 min    8B-shaped steps (random weights, so right after the target: a job cut off later
+#                           keeps them): plain, DFlash at k = 4, 7, DSpark at k = 4, 7, 8, each with its drafting
+#                           part alone                                                 step_cost_8b.json
 #   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
 #                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
 #                           warm-up pass                                               run/bench/bench.json
@@ -33,9 +36,6 @@
 #   dflash        ~2 min    variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
 #                                                                                      variant_dflash.json
 #   probe         ~1 min    the same on the DFlash drafter                           block_probe_dflash.json
-#   step_cost     ~6 min    8B-shaped steps (random weights): plain, DFlash at k = 4, 7, DSpark at k = 4, 7, 8
-#                           (8: the variant's chain, for its projection), each with its drafting part alone; both
-#                           variants' and the bench's rows projected onto them         step_cost_8b.json
 # Times are estimates for an H200 (the target, pipeline and bench were measured together at 8.5 minutes on an
 # H100); most of step_cost's is compiling the 8B-shaped graphs, one fused step per (drafter, k).
 #
@@ -133,6 +133,7 @@ drafters_job() {
     run_all target,summary target $quick
     wait
     log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
+    run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
     run_all pipeline,bench,summary bench $quick
     if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then
         cut=(--variant-bench "verify_thresholds=$VERIFY")
@@ -144,7 +145,6 @@ drafters_job() {
     probe dspark
     run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
     probe dflash
-    run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
     log DONE
 }
 
