@@ -43,7 +43,8 @@
 #   RUN_ALL_FLAGS         flags for every run_all part, e.g. "--no-draft-lm --bench-methods plain,chain,tree" to
 #                         leave out the slow HF peers (split on spaces: no quoted values inside; JOB drafters sets
 #                         its own, these come after them)
-#   REFERENCE_STEP_COST=0 leave out step_cost (8B-shaped step costs, random weights, with the bench's tau projected)
+#   REFERENCE_STEP_COST=0 leave out step_cost (8B-shaped step costs, random weights; JOB reference: with the bench's
+#                         tau projected)
 #   REFERENCE_VARIANT=0   leave out the variant drafter (run_all --variant, default EAGLE 3.1: fc_norm + norm_output)
 #   REFERENCE_SPEED=0     leave out extract_speed_reference and profile
 #   REFERENCE_PEER_FIRST=1  run the peer right after the pipeline's training, before the bench
@@ -133,7 +134,7 @@ drafters_job() {
     run_all target,summary target $quick
     wait
     log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
-    run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
+    [ "${REFERENCE_STEP_COST:-1}" = 1 ] && run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
     run_all pipeline,bench,summary bench $quick
     if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then
         cut=(--variant-bench "verify_thresholds=$VERIFY")
