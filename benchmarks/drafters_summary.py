@@ -20,6 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eaglekit.manifest import atomic_write_json, atomic_write_text  # noqa: E402
+from eaglekit.training.objective import expected_acceptance  # noqa: E402
 
 GOAL_DSPARK_OVER_DFLASH = 1.15
 GOAL_BEST_SPEEDUP = 2.5
@@ -28,15 +29,6 @@ GOAL_DSPARK_STEP = 1.15
 
 def load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def estimated_tau(accuracy: list[float]) -> float:
-    """Validation accuracy per position (teacher-forced) -> 1 + sum of the running products."""
-    tau, survive = 1.0, 1.0
-    for a in accuracy:
-        survive *= a
-        tau += survive
-    return tau
 
 
 def conditional(acceptance: list[float]) -> list[float | None]:
@@ -50,7 +42,7 @@ def validation(summary: dict[str, Any]) -> dict[str, Any]:
         variant = summary.get(f"variant_{kind}") or {}
         val = (variant.get("trained") or {}).get("val")
         if val:
-            found[kind] = {"accuracy": val["acc_k"], "estimated_tau": estimated_tau(val["acc_k"]),
+            found[kind] = {"accuracy": val["acc_k"], "estimated_tau": expected_acceptance(val["acc_k"]),
                            "steps": variant["trained"].get("steps")}
     return found
 
