@@ -3,7 +3,7 @@
 What vLLM 0.32 drafts with `{"method": "dspark"}` (`v1/worker/gpu/spec_decode/dspark/speculator.py`): the context is
 DFlash's (`eaglekit.drafters.dflash.decode`); the block [bonus token, mask ...] at positions m .. (k queries with
 `sample_from_anchor`, k + 1 in the fill-in layout) gives each drafted position's hidden state h_i and base logits
-lm_head(h_i); then for i = 0 .. k-1: logits_i = base_i + W2 · z(W1[x_prev]), x_prev the bonus token for i = 0 and the
+lm_head(h_i) (all k in one pass over the lm_head, the largest weight the drafter reads); then for i = 0 .. k-1: logits_i = base_i + W2 · z(W1[x_prev]), x_prev the bonus token for i = 0 and the
 token drafted at i - 1 after; draft i is the argmax (T = 0) or a draw from softmax(logits_i / T) (the bias before the
 temperature), and feeds the next position.
 
@@ -51,9 +51,10 @@ def markov_chain(
     k = hidden.shape[0]
     all_draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=hidden.device))
     prev, state = root_token.reshape(1), None  # one-element tensors throughout: no value is read back (graphs)
+    base = drafter.lm_head(hidden)  # (k, Vd): one pass over the lm_head for the whole block, not one per position
     drafts, probs, confidences = [], [], []
     for i in range(k):
-        logits, e, state = drafter.position_logits(hidden[i : i + 1], prev, state)  # (1, Vd)
+        logits, e, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
         if options.temperature > 0:
             q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
             draft = sample(q, generator)  # (1,) one (1, 1) uniform, as a sampled EAGLE-3 chain draws each level

@@ -188,9 +188,10 @@ class DSparkDrafter(DFlashDrafter):
         hidden: torch.Tensor,  # (..., H) post-norm hidden state of one drafted position
         prev: torch.Tensor,  # (...,) target id of its previous token
         state: torch.Tensor | None = None,  # (..., r) the rnn head's state after the position before
+        base: torch.Tensor | None = None,  # (..., Vd) lm_head(hidden), when the caller has it
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One drafted position -> (logits (..., Vd) with the Markov bias, e = W1[prev] (..., r) or None, state)."""
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden) if base is None else base
         if self.config.markov_rank == 0:
             return logits, None, None
         bias, e, state = self.markov_head.step(prev, hidden, state)
