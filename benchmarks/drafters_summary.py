@@ -36,14 +36,19 @@ def conditional(acceptance: list[float]) -> list[float | None]:
     return [a / b if b else None for a, b in zip(acceptance, [1.0] + acceptance[:-1])]
 
 
-def validation(summary: dict[str, Any]) -> dict[str, Any]:
+def validation(summary: dict[str, Any], results: Path) -> dict[str, Any]:
+    """Each variant's validation: from the summary, or from its train manifest (a job cut off before the
+    variant's bench and summary)."""
     found = {}
     for kind in ("dspark", "dflash"):
-        variant = summary.get(f"variant_{kind}") or {}
-        val = (variant.get("trained") or {}).get("val")
+        trained = (summary.get(f"variant_{kind}") or {}).get("trained") or {}
+        val, steps = trained.get("val"), trained.get("steps")
+        if not val:
+            manifest = load(results / f"variant-{kind}" / "train_manifest.json") or {}
+            val, steps = manifest.get("val"), manifest.get("steps")
         if val:
             found[kind] = {"accuracy": val["acc_k"], "estimated_tau": expected_acceptance(val["acc_k"]),
-                           "steps": variant["trained"].get("steps")}
+                           "steps": steps}
     return found
 
 
@@ -123,19 +128,23 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{at['agree']:.3f} | {fmt(p['teacher_forced_all_anchors']['conditional'])} | "
                          f"{fmt(p['validation'].get('calibration_conditional'))} |")
     if result["step_cost"]:
-        lines += ["", "8B-shaped steps (random weights): " + ", ".join(
-            f"{name} {ratio:.3f}x plain" for name, ratio in result["step_cost"].items()) + "."]
+        env = result["step_cost_environment"] or {}
+        lines += ["", f"8B-shaped steps (random weights; {env.get('gpu', 'CPU')}, commit {env.get('commit')}): "
+                  + ", ".join(f"{name} {ratio:.3f}x plain" for name, ratio in result["step_cost"].items()) + "."]
     lines += ["", "Goals (T=0):", ""]
     for name, goal in result["goals"].items():
         state = "missing" if goal["met"] is None else ("met" if goal["met"] else "not met")
-        figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in goal.items()
-                            if k not in ("met",) and not isinstance(v, dict))
+        flat = {**{k: v for k, v in goal.items() if not isinstance(v, dict)},
+                **{name: v for value in goal.values() if isinstance(value, dict) for name, v in value.items()}}
+        figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in flat.items()
+                            if k != "met")
         lines.append(f"- {name}: {state} ({figures})")
-    lines += ["", "Commands:", ""] + [f"    {c}" for c in result["commands"]]
+    lines += [""] + [paragraph + "\n" for paragraph in result["findings"]]
+    lines += ["Commands:", ""] + [f"    {c}" for c in result["commands"]]
     return "\n".join(lines) + "\n"
 
 
-def build(results: Path, commands: list[str]) -> dict[str, Any]:
+def build(results: Path, commands: list[str], findings: list[str] = ()) -> dict[str, Any]:
     summary = load(results / "summary.json") or {}
     step_cost = load(results / "step_cost_8b.json") or summary.get("step_cost_8b")
     parts = {"bench": summary.get("bench"), "variant_dspark": summary.get("variant_dspark"),
@@ -151,10 +160,11 @@ def build(results: Path, commands: list[str]) -> dict[str, Any]:
     environment = variant.get("environment") or summary.get("environment", {})
     return {"benchmark": "drafters_side_by_side", "environment": environment,
             "complete": not missing, "missing": missing, "plain": plain, "methods": summary.get("methods") or [],
-            "validation": validation(summary), "block_acceptance": summary.get("block_acceptance"),
+            "validation": validation(summary, results), "block_acceptance": summary.get("block_acceptance"),
             "calibration": summary.get("calibration"), "block_probe": probes(results), "step_cost": steps,
+            "step_cost_environment": (step_cost or {}).get("environment"),
             "goals": goals(summary, step_cost), "reference_target": summary.get("reference_target"),
-            "commands": commands}
+            "commands": commands, "findings": list(findings)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True, help="a drafters job's results folder (runs/drafters-results)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--command", action="append", default=[], help="the job's commands, as run (repeatable)")
+    parser.add_argument("--finding", action="append", default=[], help="a paragraph on what the figures show")
     args = parser.parse_args(argv)
-    result = build(Path(args.results), args.command)
+    result = build(Path(args.results), args.command, args.finding)
     out = Path(args.out)
     atomic_write_json(out / "drafters_side_by_side.json", result)
     atomic_write_text(out / "drafters_side_by_side.md", markdown(result))
