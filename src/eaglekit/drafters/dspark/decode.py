@@ -3,9 +3,10 @@
 What vLLM 0.32 drafts with `{"method": "dspark"}` (`v1/worker/gpu/spec_decode/dspark/speculator.py`): the context is
 DFlash's (`eaglekit.drafters.dflash.decode`); the block [bonus token, mask ...] at positions m .. (k queries with
 `sample_from_anchor`, k + 1 in the fill-in layout) gives each drafted position's hidden state h_i and base logits
-lm_head(h_i) (all k in one pass over the lm_head, the largest weight the drafter reads); then for i = 0 .. k-1: logits_i = base_i + W2 · z(W1[x_prev]), x_prev the bonus token for i = 0 and the
-token drafted at i - 1 after; draft i is the argmax (T = 0) or a draw from softmax(logits_i / T) (the bias before the
-temperature), and feeds the next position.
+lm_head(h_i) (all k in one pass over the lm_head, the largest weight the drafter reads); then for i = 0 .. k-1:
+logits_i = base_i + W2 · z(W1[x_prev]), x_prev the bonus token for i = 0 and the token drafted at i - 1 after;
+draft i is the argmax (T = 0) or a draw from softmax(logits_i / T) (the bias before the temperature), and feeds the
+next position.
 
 Sampling: draft i is drawn from q_i(· | drafts 0..i-1), the drafter's corrected distribution given the drafts before
 it; the chain's p/q rule (`verify.sampled_chain_path`) with these q_i keeps the target's distribution.
