@@ -30,28 +30,26 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eaglekit.decode import Decoder, drafter_aux_layers  # noqa: E402
+from eaglekit import registry  # noqa: E402
+from eaglekit.decode import DecodeStats, Decoder, drafter_aux_layers  # noqa: E402
 from eaglekit.drafters.dflash.train import block_attention_mask, block_input_ids, block_positions  # noqa: E402
 from eaglekit.drafters.dspark.train import block_tokens  # noqa: E402
 from eaglekit.targets.capture import HiddenStateCapture, forward_target  # noqa: E402
-
-
-def conditional(accepted: list[int], k: int) -> list[float | None]:
-    """Accepted drafts per step -> [i] = share of the steps that accepted draft i among those that accepted i - 1."""
-    out, before = [], len(accepted)
-    for i in range(k):
-        now = sum(a > i for a in accepted)
-        out.append(now / before if before else None)
-        before = now
-    return out
+from reference_summary import conditional  # noqa: E402
 
 
 def summary(accepted: list[int], k: int) -> dict[str, Any]:
-    steps = max(len(accepted), 1)
-    return {"steps": len(accepted), "tau": sum(a + 1 for a in accepted) / steps,
-            "acceptance": [sum(a > i for a in accepted) / steps for i in range(k)],
-            "conditional": conditional(accepted, k)}
+    """Accepted drafts per step -> tau, acceptance per position and the same given the position before."""
+    stats = DecodeStats(accepted=accepted, max_drafts=k)
+    acceptance = stats.acceptance_per_position()
+    return {"steps": len(accepted), "tau": stats.tau, "acceptance": acceptance, "conditional": conditional(acceptance)}
+
+
+def step_starts(prompt_length: int, accepted: list[int]) -> list[int]:
+    """The position of each decode step's bonus token (its block's first slot)."""
+    return [prompt_length + sum(a + 1 for a in accepted[:j]) for j in range(len(accepted))]
 
 
 def num_drafts(drafter: torch.nn.Module) -> tuple[int, int]:
@@ -101,8 +99,8 @@ def capture_aux(target: torch.nn.Module, ids: torch.Tensor, layers: tuple[int, .
 
 def probe(target, drafter, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...],
           backends: list[str], compile: bool) -> dict[str, Any]:
-    first, k = num_drafts(drafter)
-    method = "dspark" if hasattr(drafter, "markov_logits") else "dflash"
+    _, k = num_drafts(drafter)
+    method = registry.of(drafter).methods[0]
     device = next(target.parameters()).device
     longest = max(map(len, prompts)) + max_new_tokens + k + 2
     decoded: dict[str, list[int]] = {}
@@ -110,14 +108,13 @@ def probe(target, drafter, prompts: list[list[int]], max_new_tokens: int, eos: t
     for backend in backends:
         decoder = Decoder(target, drafter, backend, compile and backend == "static", max_length=longest)
         steps: list[int] = []
-        for n, prompt in enumerate(prompts):
+        for prompt in prompts:
             result = decoder.generate(prompt, max_new_tokens, method=method, chain_length=k, eos_token_ids=eos)
             steps += result.stats.accepted
             if backend != backends[0]:
                 continue
             ids = torch.tensor(prompt + result.tokens, device=device)
-            starts = torch.tensor([len(prompt) + sum(a + 1 for a in result.stats.accepted[:j])
-                                   for j in range(len(result.stats.accepted))], device=device)
+            starts = torch.tensor(step_starts(len(prompt), result.stats.accepted), device=device)
             room = starts + k < len(ids)  # steps whose whole block lies inside the decoded text
             aux = capture_aux(target, ids[None], drafter_aux_layers(drafter))
             if room.any():
@@ -156,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", action="append", default=[], help="eager (always first), static")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if not args.work and not (args.target and args.drafter and args.prompts):
+        parser.error("pass --work (run_all's work folder), or --target, --drafter and --prompts")
     from eaglekit.data import prompt_messages, read_conversations
     from eaglekit.decode.setup import eos_ids, load_drafter, prompt_ids
     from eaglekit.manifest import atomic_write_json, environment

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eaglekit.manifest import atomic_write_json, atomic_write_text  # noqa: E402
 from eaglekit.training.objective import expected_acceptance  # noqa: E402
+from reference_summary import conditional  # noqa: E402
 
 GOAL_DSPARK_OVER_DFLASH = 1.15
 GOAL_BEST_SPEEDUP = 2.5
@@ -29,11 +31,6 @@ GOAL_DSPARK_STEP = 1.15
 
 def load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def conditional(acceptance: list[float]) -> list[float | None]:
-    """Acceptance per position -> the same given the position before."""
-    return [a / b if b else None for a, b in zip(acceptance, [1.0] + acceptance[:-1])]
 
 
 def validation(summary: dict[str, Any], results: Path) -> dict[str, Any]:

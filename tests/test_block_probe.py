@@ -32,11 +32,6 @@ def load_probe():
 probe = load_probe()
 
 
-def step_starts(prompt: list[int], accepted: list[int]) -> torch.Tensor:
-    """The position of each step's bonus token (the block's first slot)."""
-    return torch.tensor([len(prompt) + sum(a + 1 for a in accepted[:j]) for j in range(len(accepted))])
-
-
 @pytest.mark.parametrize("backend", ["eager", "static"])
 @pytest.mark.parametrize("layout", [{}, {"sample_from_anchor": False}, {"markov_head_type": "rnn"}])
 def test_dspark_decode_drafts_what_training_blocks_compute(backend, layout, monkeypatch) -> None:
@@ -59,7 +54,7 @@ def test_dspark_decode_drafts_what_training_blocks_compute(backend, layout, monk
         recorded.clear()
         result = decoder.generate(prompt, 24, method="dspark", chain_length=k)
         ids = torch.tensor(prompt + result.tokens)
-        starts = step_starts(prompt, result.stats.accepted)
+        starts = torch.tensor(probe.step_starts(len(prompt), result.stats.accepted))
         assert len(recorded) == len(starts)
         chains = torch.stack(recorded)  # (N, K+1) bonus token and drafts
         assert torch.equal(chains[:, 0], ids[starts])  # each step's block starts at its bonus token
@@ -69,14 +64,14 @@ def test_dspark_decode_drafts_what_training_blocks_compute(backend, layout, monk
         assert torch.equal(forced, chains[:, 1:])
 
 
-def test_dflash_decode_drafts_what_training_blocks_compute(monkeypatch) -> None:
+def test_dflash_decode_drafts_what_training_blocks_compute() -> None:
     target = tiny_target("llama")
     drafter = dflash_for(target, block_size=6, draft_vocab=48)
     _, k = probe.num_drafts(drafter)
     for prompt in PROMPTS:
         result = Decoder(target, drafter).generate(prompt, 24, method="dflash", chain_length=k)
         ids = torch.tensor(prompt + result.tokens)
-        starts = step_starts(prompt, result.stats.accepted)
+        starts = torch.tensor(probe.step_starts(len(prompt), result.stats.accepted))
         room = starts + k < len(ids)
         aux = probe.capture_aux(target, ids[None], drafter_aux_layers(drafter))
         forced = probe.accepted_lengths(probe.block_drafts(drafter, aux, ids[None], starts[room][None]), ids,
@@ -93,4 +88,4 @@ def test_probe_reports_decode_and_training_forward_side_by_side() -> None:
     assert found["teacher_forced_at_decode_anchors"]["agree"] == 1.0
     for part in (found["decoded"]["eager"], found["teacher_forced_all_anchors"]):
         assert part["tau"] == pytest.approx(1 + sum(part["acceptance"]))
-    assert probe.conditional([0, 2, 3, 1], 3) == [0.75, 2 / 3, 0.5]
+    assert probe.summary([0, 2, 3, 1], 3)["conditional"] == pytest.approx([0.75, 2 / 3, 0.5])
