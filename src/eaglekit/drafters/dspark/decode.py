@@ -53,9 +53,9 @@ def markov_chain(
     all_draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=hidden.device))
     prev, state = root_token.reshape(1), None  # one-element tensors throughout: no value is read back (graphs)
     base = drafter.lm_head(hidden)  # (k, Vd): one pass over the lm_head for the whole block, not one per position
-    drafts, probs, confidences = [], [], []
+    drafts, probs = [root_token.reshape(1)], []
     for i in range(k):
-        logits, e, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
+        logits, _, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
         if options.temperature > 0:
             q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
             draft = sample(q, generator)  # (1,) one (1, 1) uniform, as a sampled EAGLE-3 chain draws each level
@@ -64,10 +64,12 @@ def markov_chain(
             draft = logits.argmax(-1)  # (1,)
         prev = all_draft_ids.index_select(0, draft)  # (1,) target id
         drafts.append(prev)
-        confidence = drafter.confidence_logits(hidden[i : i + 1], e)
-        if confidence is not None:
-            confidences.append(confidence)
-    return torch.cat(drafts), torch.cat(probs) if probs else None, torch.cat(confidences) if confidences else None
+    previous = torch.cat(drafts)  # (k+1,) the bonus token, then the drafts
+    # the confidences read only the drafts before them: all k in one pass after the loop, none inside it
+    config = drafter.config
+    e = (drafter.markov_head.markov_w1(previous[:-1]) if config.confidence_head and config.confidence_head_with_markov
+         else None)  # (k, r)
+    return previous[1:], torch.cat(probs) if probs else None, drafter.confidence_logits(hidden, e)
 
 
 def grow_dspark(drafter_backend, drafter: DSparkDrafter, root_hidden: torch.Tensor, root_logits: torch.Tensor,
