@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 result[kind] = block_figures(kind, model, prompt, new_tokens, compile_, args.repeats, base,
                                              getattr(args, f"{kind}_layers"), lengths, step_ms, call_ms,
-                                             args.dspark_rank)
+                                             args.dspark_rank, bandwidth)
             except Exception as error:  # noqa: BLE001 - one drafter's failure must not cost the other figures
                 traceback.print_exc()
                 result[kind] = {"error": f"{type(error).__name__}: {error}"}

@@ -11,6 +11,11 @@ step: one CUDA graph a step with compile), and the step's drafting part alone, c
   `draft_ms` is the block forward followed by the Markov loop (what the step drafts with, `decode.markov_chain` at
   T = 0), `block_ms` the block forward with the draft head alone (DFlash's `draft_ms`): their difference is what
   DSpark's heads cost.
+
+The floor: the drafter's weights a step reads (all of them but the lookup tables, the embedding and the Markov
+head's W1) at the copy bandwidth measured in the run (`draft_floor_ms`); with the rest of the measured step (its
+verification and bookkeeping, `step_ms - draft_ms`) it gives the cheapest step these shapes allow
+(`floor_ratio_to_plain`): a goal under it cannot be met by faster drafting kernels, only by a smaller drafter.
 """
 
 from __future__ import annotations
@@ -55,12 +60,20 @@ def random_block_drafter(kind: str, model, device: torch.device, dtype: torch.dt
     return drafter
 
 
+LOOKUPS = ("embed_tokens.weight", "markov_w1.weight")  # read a row per token, not whole
+
+
+def weights_read(drafter: torch.nn.Module) -> int:
+    """Bytes of the drafter's weights one drafting step reads whole (module docstring: the floor)."""
+    return sum(p.numel() * p.element_size() for n, p in drafter.named_parameters() if not n.endswith(LOOKUPS))
+
+
 def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_: bool, repeats: int, base: float,
                   layers: int, lengths: tuple[int, ...], step_ms: Callable[..., float], call_ms: Callable[..., float],
-                  markov_rank: int = MARKOV_RANK) -> dict:
+                  markov_rank: int = MARKOV_RANK, bandwidth: float | None = None) -> dict:
     """Fused steps of a random `kind` drafter at each chain length k (`step_ms(decoder, prompt, new_tokens, options,
     repeats)`, step_cost.py's timer) and the drafting part alone (`call_ms(fn, device, repeats, calls)`), module
-    docstring; `base`: the plain step's milliseconds."""
+    docstring; `base`: the plain step's milliseconds; `bandwidth`: the copy bandwidth (bytes/s) the floor is read at."""
     from eaglekit.drafters.dspark.decode import markov_chain
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -98,6 +111,11 @@ def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_
             block[f"{kind}{k}"] = timed(forward)
         else:
             draft[f"{kind}{k}"] = timed(forward)
+    floor = {}
+    if bandwidth:
+        floor = {"weights_read_bytes": weights_read(drafter), "draft_floor_ms": weights_read(drafter) / bandwidth * 1e3}
+        for name, step in steps.items():
+            step["floor_ratio_to_plain"] = (step["step_ms"] - draft[name] + floor["draft_floor_ms"]) / base
     shape = {"layers": layers, "target_layer_ids": list(drafter.config.target_layer_ids),
              "block_size": drafter.config.block_size}
     if kind == "dspark":
@@ -105,7 +123,7 @@ def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_
                      confidence_head=drafter.config.confidence_head,
                      sample_from_anchor=drafter.config.sample_from_anchor)
     found = {"drafter": shape, "path": f"fused step over the static target and static {LABELS[kind]} context buffers",
-             "steps": steps, "draft_ms": draft, "context_tokens": context.shape[0]}
+             "steps": steps, "draft_ms": draft, "context_tokens": context.shape[0], **floor}
     return {**found, "block_ms": block} if block else found
 
 
@@ -127,4 +145,9 @@ def markdown(kind: str, figures: dict) -> list[str]:
                  f"; the block forward alone (ms): {listed(figures['block_ms'])}")
     else:
         line += f"; the block forward alone (ms): {listed(figures['draft_ms'])}"
+    if "draft_floor_ms" in figures:
+        line += (f"; floor: {figures['weights_read_bytes'] / 1e9:.2f} GB of drafter weights a step, "
+                 f"{figures['draft_floor_ms']:.3f} ms at the copy bandwidth, so a step no cheaper than "
+                 + ", ".join(f"{n} {v['floor_ratio_to_plain']:.3f}x" for n, v in figures["steps"].items())
+                 + " plain with this verification")
     return ["", line]

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,6 +76,11 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert dspark["draft_ms"]["dspark2"] > 0 and dspark["block_ms"]["dspark2"] > 0
     assert dspark["drafter"]["markov_rank"] == 8 and dspark["drafter"]["block_size"] == 2
     assert dspark["drafter"]["confidence_head"] and dspark["drafter"]["sample_from_anchor"]
+    step = dspark["steps"]["dspark2"]  # the floor: the rest of the step plus the drafter's weights at the bandwidth
+    floor = dspark["weights_read_bytes"] / result["copy_bandwidth_bytes_per_s"] * 1e3
+    assert dspark["draft_floor_ms"] == floor and 0 < floor < dspark["draft_ms"]["dspark2"]
+    assert step["floor_ratio_to_plain"] == pytest.approx((step["step_ms"] - dspark["draft_ms"]["dspark2"] + floor) / plain)
+    assert "a step no cheaper than dspark2" in (tmp_path / "step_cost.md").read_text()
     text = (tmp_path / "step_cost.md").read_text()
     assert "| chain4 |" in text and "MLA drafter" in text and "DFlash drafter" in text
     assert "DSpark drafter, 1 layers, Markov head rank 8 (vanilla) and confidence head" in text
