@@ -4,7 +4,7 @@ drafter's validation, where a block drafter loses its drafts (block_probe), the 
 it is decided on, or missing with the part that did not run.
 
     python benchmarks/drafters_summary.py --results runs/drafters-results --out benchmarks/results/latest \\
-        --command "bash benchmarks/run_reference.sh start drafters" ...
+        --command "bash benchmarks/run_reference.sh start drafters" [--step-cost X.json ...] ...
 
 Writes --out/drafters_side_by_side.json and .md.
 """
@@ -53,7 +53,7 @@ def rows_at(summary: dict[str, Any], temperature: float) -> list[dict[str, Any]]
     return [r for r in summary.get("methods") or [] if r.get("temperature") == temperature]
 
 
-def goals(summary: dict[str, Any], step_cost: dict[str, Any] | None) -> dict[str, Any]:
+def goals(summary: dict[str, Any], step_costs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     rows = [r for r in rows_at(summary, 0.0) if not r.get("verify_threshold")]
     by_drafter = {r["drafter"]: r for r in rows if r["drafter"] in ("dspark", "dflash")}
     found: dict[str, Any] = {}
@@ -70,13 +70,32 @@ def goals(summary: dict[str, Any], step_cost: dict[str, Any] | None) -> dict[str
         found["best>=2.5x_plain"] = {"drafter": best["drafter"], "method": best["method"],
                                      "speedup": best["speedup_vs_plain"], "tau": best["tau"],
                                      "met": best["speedup_vs_plain"] >= GOAL_BEST_SPEEDUP}
-    steps = ((step_cost or {}).get("dspark") or {}).get("steps") or {}
+    steps = {name: step for name, step in step_costs.items() if step["kind"] == "dspark"}
     if steps:
-        ratios = {name: step["ratio_to_plain"] for name, step in steps.items()}
-        found["dspark_step<=1.15x_plain"] = {"ratio_to_plain": ratios,
-                                             "met": all(r <= GOAL_DSPARK_STEP for r in ratios.values())}
+        found["dspark_step<=1.15x_plain"] = {
+            "ratio_to_plain": {name: step["ratio_to_plain"] for name, step in steps.items()},
+            **({"floor_ratio_to_plain": floors} if (floors := {name: step["floor_ratio_to_plain"] for name, step
+                                                              in steps.items() if "floor_ratio_to_plain" in step})
+               else {}),
+            "met": all(step["ratio_to_plain"] <= GOAL_DSPARK_STEP for step in steps.values())}
     else:
-        found["dspark_step<=1.15x_plain"] = {"met": None, "missing": "step_cost_8b.json has no DSpark step"}
+        found["dspark_step<=1.15x_plain"] = {"met": None, "missing": "no step_cost JSON with a DSpark step"}
+    return found
+
+
+def block_steps(step_costs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The block drafters' 8B-shape steps of step_cost JSON files, each named with its drafter's layers, with the
+    card and commit it was measured on."""
+    found = {}
+    for step_cost in step_costs:
+        env = step_cost.get("environment") or {}
+        for kind in ("dflash", "dspark"):
+            figures = step_cost.get(kind) or {}
+            for name, step in (figures.get("steps") or {}).items():
+                layers = (figures.get("drafter") or {}).get("layers")
+                found[name if layers is None else f"{name}, {layers} layers"] = {
+                    "kind": kind, **{k: v for k, v in step.items() if k.endswith("ratio_to_plain")},
+                    "gpu": env.get("gpu"), "commit": env.get("commit")}
     return found
 
 
@@ -125,9 +144,12 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{at['agree']:.3f} | {fmt(p['teacher_forced_all_anchors']['conditional'])} | "
                          f"{fmt(p['validation'].get('calibration_conditional'))} |")
     if result["step_cost"]:
-        env = result["step_cost_environment"] or {}
-        lines += ["", f"8B-shaped steps (random weights; {env.get('gpu', 'CPU')}, commit {env.get('commit')}): "
-                  + ", ".join(f"{name} {ratio:.3f}x plain" for name, ratio in result["step_cost"].items()) + "."]
+        lines += ["", "8B-shaped steps (random weights; the floor: the drafter's weights at the copy bandwidth with the "
+                  "rest of the measured step):", ""]
+        for name, step in result["step_cost"].items():
+            floor = (f", floor {step['floor_ratio_to_plain']:.3f}x" if "floor_ratio_to_plain" in step else "")
+            lines.append(f"- {name}: {step['ratio_to_plain']:.3f}x plain{floor} ({step['gpu']}, commit "
+                         f"{step['commit']})")
     lines += ["", "Goals (T=0):", ""]
     for name, goal in result["goals"].items():
         state = "missing" if goal["met"] is None else ("met" if goal["met"] else "not met")
@@ -141,26 +163,24 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build(results: Path, commands: list[str], findings: list[str] = ()) -> dict[str, Any]:
+def build(results: Path, commands: list[str], findings: list[str] = (), step_cost_files: list[Path] = ()) -> dict[str, Any]:
+    """`step_cost_files`: the step_cost JSON files to read (default: the job's step_cost_8b.json)."""
     summary = load(results / "summary.json") or {}
-    step_cost = load(results / "step_cost_8b.json") or summary.get("step_cost_8b")
+    step_costs = [load(Path(f)) for f in step_cost_files or [results / "step_cost_8b.json"]]
+    step_costs = [c for c in step_costs if c] or ([summary["step_cost_8b"]] if summary.get("step_cost_8b") else [])
     parts = {"bench": summary.get("bench"), "variant_dspark": summary.get("variant_dspark"),
-             "variant_dflash": summary.get("variant_dflash"), "step_cost_8b": step_cost}
+             "variant_dflash": summary.get("variant_dflash"), "step_cost_8b": step_costs}
     variant = summary.get("variant_dspark") or summary.get("variant_dflash") or {}
     plain = {str(r["temperature"]): r["tokens_per_second"] for r in (summary.get("bench") or {}).get("rows", [])
              if r["method"] == "plain"}
-    steps = {}
-    for kind in ("dflash", "dspark"):
-        steps.update({name: s["ratio_to_plain"] for name, s in (((step_cost or {}).get(kind) or {}).get("steps")
-                                                                 or {}).items()})
+    steps = block_steps(step_costs)
     missing = [name for name, part in parts.items() if not part]
     environment = variant.get("environment") or summary.get("environment", {})
     return {"benchmark": "drafters_side_by_side", "environment": environment,
             "complete": not missing, "missing": missing, "plain": plain, "methods": summary.get("methods") or [],
             "validation": validation(summary, results), "block_acceptance": summary.get("block_acceptance"),
             "calibration": summary.get("calibration"), "block_probe": probes(results), "step_cost": steps,
-            "step_cost_environment": (step_cost or {}).get("environment"),
-            "goals": goals(summary, step_cost), "reference_target": summary.get("reference_target"),
+            "goals": goals(summary, steps), "reference_target": summary.get("reference_target"),
             "commands": commands, "findings": list(findings)}
 
 
@@ -170,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--command", action="append", default=[], help="the job's commands, as run (repeatable)")
     parser.add_argument("--finding", action="append", default=[], help="a paragraph on what the figures show")
+    parser.add_argument("--step-cost", action="append", default=[], type=Path,
+                        help="a step_cost JSON with block drafters' 8B-shape steps (repeatable; default: the "
+                             "results' step_cost_8b.json)")
     args = parser.parse_args(argv)
-    result = build(Path(args.results), args.command, args.finding)
+    result = build(Path(args.results), args.command, args.finding, args.step_cost)
     out = Path(args.out)
     atomic_write_json(out / "drafters_side_by_side.json", result)
     atomic_write_text(out / "drafters_side_by_side.md", markdown(result))
