@@ -121,7 +121,7 @@ def probe(target, drafter, prompts: list[list[int]], max_new_tokens: int, eos: t
                 forced = accepted_lengths(block_drafts(drafter, aux, ids[None], starts[room][None]), ids, starts[room])
                 at_steps += forced
                 agree += [f == d for f, d in zip(forced, torch.tensor(result.stats.accepted)[room.cpu()].tolist())]
-            every = torch.arange(len(prompt), len(ids) - k, device=device)
+            every = torch.arange(len(prompt), max(len(prompt), len(ids) - k), device=device)  # none in a short answer
             if len(every):
                 everywhere += accepted_lengths(block_drafts(drafter, aux, ids[None], every[None]), ids, every)
         decoded[backend] = steps

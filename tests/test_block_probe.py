@@ -89,3 +89,10 @@ def test_probe_reports_decode_and_training_forward_side_by_side() -> None:
     for part in (found["decoded"]["eager"], found["teacher_forced_all_anchors"]):
         assert part["tau"] == pytest.approx(1 + sum(part["acceptance"]))
     assert probe.summary([0, 2, 3, 1], 3)["conditional"] == pytest.approx([0.75, 2 / 3, 0.5])
+
+
+def test_probe_takes_answers_shorter_than_a_block() -> None:
+    target = tiny_target("llama")
+    drafter = dspark_for(target, block_size=6, draft_vocab=48)
+    found = probe.probe(target, drafter, PROMPTS, 3, (), ["eager"], compile=False)  # an answer ending early
+    assert found["decoded"]["eager"]["steps"] > 0 and found["teacher_forced_all_anchors"]["steps"] == 0
