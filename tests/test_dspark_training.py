@@ -56,6 +56,15 @@ def test_online_training_writes_a_calibrated_dspark_drafter(chat_target, data_fi
     assert val["split"] == "val" and len(val["acc_k"]) == 4
 
 
+def test_without_a_validation_split_the_drafter_is_saved_uncalibrated(chat_target, data_file, tmp_path, caplog):
+    out = tmp_path / "run"
+    stage.run(options(chat_target, data_file, out, val_fraction=0.0))
+    assert load_saved_drafter(out).config.confidence_temperatures == ()  # the raw head, as vLLM uses it
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["after_training"] == {"calibrated": False, "reason": "no validation blocks"}
+    assert "raise val_fraction" in caplog.text
+
+
 def test_killed_and_resumed_dspark_run_matches_an_uninterrupted_one(chat_target, data_file, tmp_path):
     common = {"epochs": 2, "save_every": 2, "batch_size": 2, "log_every": 1, "markov_head_type": "rnn"}
     a, b = killed_and_resumed(lambda out, **more: options(chat_target, data_file, out, **common, **more), tmp_path)

@@ -115,6 +115,9 @@ def collect(drafter: Any, batches: Iterable[Any], num_anchors: int, seed: int) -
         logits.append(out.confidence.float().reshape(-1, k).cpu())
         accept.append((1.0 - tv).clamp(0.0, 1.0).reshape(-1, k).cpu())
         counted.append(out.accuracy.permute(1, 2, 0).reshape(-1, k).cpu())
+    if not logits:  # no validation split (val_fraction=0)
+        k = drafter.config.max_drafts
+        return torch.zeros(0, k), torch.zeros(0, k), torch.zeros(0, k, dtype=torch.bool)
     return torch.cat(logits), torch.cat(accept), torch.cat(counted)
 
 
