@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--backend", action="append", default=[], help="eager (always first), static")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                        help="the target's and drafters' dtype (auto: bf16 on CUDA, as bench runs them)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if not args.work and not (args.target and args.drafter and args.prompts):
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts_path = args.prompts or str(work / "models" / "tiny_prompts_eval.jsonl")
     drafters = args.drafter or [str(p) for p in sorted(work.glob("variant-*/train")) if (p / "config.json").exists()]
     device = resolve_device("auto")
-    dtype = resolve_dtype("auto", device)
+    dtype = resolve_dtype(args.dtype, device)
     target = load_target(target_path, device, dtype)
     tokenizer = load_tokenizer(target_path)
     prompts = [prompt_ids(tokenizer, prompt_messages(c)) for c in read_conversations(prompts_path)][: args.num_prompts]

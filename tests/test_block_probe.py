@@ -96,3 +96,20 @@ def test_probe_takes_answers_shorter_than_a_block() -> None:
     drafter = dspark_for(target, block_size=6, draft_vocab=48)
     found = probe.probe(target, drafter, PROMPTS, 3, (), ["eager"], compile=False)  # an answer ending early
     assert found["decoded"]["eager"]["steps"] > 0 and found["teacher_forced_all_anchors"]["steps"] == 0
+
+
+def test_probe_command_on_a_saved_drafter_in_the_dtype_asked(tmp_path, tiny_answers) -> None:
+    import json
+
+    from engines import train_drafter
+    from eaglekit.data.readers import SHIPPED_DATA
+    from eaglekit.targets.loading import tiny_target_path
+
+    drafter = train_drafter("tiny", tmp_path / "dspark", steps=2, data=tiny_answers, drafter_type="dspark",
+                            block_size=3, draft_layers=1)
+    out = tmp_path / "probe.json"
+    probe.main(["--target", str(tiny_target_path()), "--prompts", str(SHIPPED_DATA["tiny-eval"]), "--drafter", drafter,
+                "--num-prompts", "2", "--max-new-tokens", "6", "--dtype", "bf16", "--out", str(out)])
+    found = json.loads(out.read_text())
+    assert found["dtype"] == "torch.bfloat16" and found["num_prompts"] == 2
+    assert found["drafters"][drafter]["method"] == "dspark" and found["drafters"][drafter]["decoded"]["eager"]["steps"]
