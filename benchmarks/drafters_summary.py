@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eaglekit.manifest import atomic_write_json, atomic_write_text  # noqa: E402
 from eaglekit.training.objective import expected_acceptance  # noqa: E402
-from reference_summary import conditional  # noqa: E402
+from reference_summary import conditional, side_by_side  # noqa: E402
 
 GOAL_DSPARK_OVER_DFLASH = 1.15
 GOAL_BEST_SPEEDUP = 2.5
@@ -49,12 +49,8 @@ def validation(summary: dict[str, Any], results: Path) -> dict[str, Any]:
     return found
 
 
-def rows_at(summary: dict[str, Any], temperature: float) -> list[dict[str, Any]]:
-    return [r for r in summary.get("methods") or [] if r.get("temperature") == temperature]
-
-
-def goals(summary: dict[str, Any], step_costs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    rows = [r for r in rows_at(summary, 0.0) if not r.get("verify_threshold")]
+def goals(methods: list[dict[str, Any]], step_costs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rows = [r for r in methods if r.get("temperature") == 0.0 and not r.get("verify_threshold")]
     by_drafter = {r["drafter"]: r for r in rows if r["drafter"] in ("dspark", "dflash")}
     found: dict[str, Any] = {}
     if {"dspark", "dflash"} <= set(by_drafter):
@@ -121,9 +117,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["| drafter | method | drafts | T | tokens/s | speed-up | tau | acceptance per position "
               "| given the one before |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["methods"]:
-        cut = f" (cut {r['verify_threshold']:g})" if r.get("verify_threshold") else ""
         speedup = f"{r['speedup_vs_plain']:.2f}x" if r.get("speedup_vs_plain") else "-"
-        lines.append(f"| {r['drafter']} | {r['method']}{cut} | {r['drafts']} | {r['temperature']:g} | "
+        lines.append(f"| {r['drafter']} | {r['method']} | {r['drafts']} | {r['temperature']:g} | "
                      f"{r['tokens_per_second']:.1f} | {speedup} | {r['tau']:.2f} | {fmt(r['acceptance_per_position'])} "
                      f"| {fmt(conditional(r['acceptance_per_position']))} |")
     lines += ["", f"Plain: {', '.join(f'{v:.1f} tok/s at T={t}' for t, v in result['plain'].items())}.", "",
@@ -166,6 +161,7 @@ def markdown(result: dict[str, Any]) -> str:
 def build(results: Path, commands: list[str], findings: list[str] = (), step_cost_files: list[Path] = ()) -> dict[str, Any]:
     """`step_cost_files`: the step_cost JSON files to read (default: the job's step_cost_8b.json)."""
     summary = load(results / "summary.json") or {}
+    methods = side_by_side(summary) or summary.get("methods") or []  # from the benches, when the summary has them
     step_costs = [load(Path(f)) for f in step_cost_files or [results / "step_cost_8b.json"]]
     step_costs = [c for c in step_costs if c] or ([summary["step_cost_8b"]] if summary.get("step_cost_8b") else [])
     parts = {"bench": summary.get("bench"), "variant_dspark": summary.get("variant_dspark"),
@@ -177,10 +173,10 @@ def build(results: Path, commands: list[str], findings: list[str] = (), step_cos
     missing = [name for name, part in parts.items() if not part]
     environment = variant.get("environment") or summary.get("environment", {})
     return {"benchmark": "drafters_side_by_side", "environment": environment,
-            "complete": not missing, "missing": missing, "plain": plain, "methods": summary.get("methods") or [],
+            "complete": not missing, "missing": missing, "plain": plain, "methods": methods,
             "validation": validation(summary, results), "block_acceptance": summary.get("block_acceptance"),
             "calibration": summary.get("calibration"), "block_probe": probes(results), "step_cost": steps,
-            "goals": goals(summary, steps), "reference_target": summary.get("reference_target"),
+            "goals": goals(methods, steps), "reference_target": summary.get("reference_target"),
             "commands": commands, "findings": list(findings)}
 
 

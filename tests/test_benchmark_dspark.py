@@ -138,3 +138,26 @@ def test_drafters_summary_decides_each_goal_on_its_figures_or_names_what_is_miss
     assert "- dspark7, 2 layers: 1.200x plain, floor 1.100x (H, commit c)" in summary.markdown(found)
     assert summary.conditional([0.8, 0.6]) == [0.8, pytest.approx(0.75)]
     assert "| dspark | dspark | 2 | 0 | 15.0 | 1.50x | 3.00 | 0.80 0.60 | 0.80 0.75 |" in summary.markdown(found)
+
+
+def test_drafters_summary_decides_dspark_on_its_whole_chain_not_a_confidence_cut(tmp_path):
+    """The rows come from the variants' own benches: a cut row (verify_threshold) after the whole chain's is shown,
+    never taken for the drafter's tau."""
+    summary = load("drafters_summary")
+
+    def bench(method, *rows):
+        return [{"method": method, "temperature": 0.0, "tokens_per_second": t * 10, "tau": t, **more}
+                for t, more in rows]
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "summary.json").write_text(json.dumps({
+        "bench": {"rows": [{"method": "plain", "temperature": 0.0, "tokens_per_second": 10.0}], "config": {}},
+        "variant_dspark": {"variant": {"drafter_type": "dspark"}, "bench": bench(
+            "dspark", (3.0, {}), (1.5, {"verify_threshold": 0.6}))},
+        "variant_dflash": {"variant": {"drafter_type": "dflash"}, "bench": bench("dflash", (2.5, {}))}}))
+    found = summary.build(results, ["cmd"])
+    goal = found["goals"]["dspark_tau>=1.15x_dflash"]
+    assert (goal["dspark_tau"], goal["dflash_tau"], goal["met"]) == (3.0, 2.5, True)
+    assert [r["method"] for r in found["methods"]] == ["dflash", "dspark", "dspark (verify >= 0.6)"]
+    assert "| dspark | dspark (verify >= 0.6) |" in summary.markdown(found)

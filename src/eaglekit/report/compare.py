@@ -32,7 +32,8 @@ def side_by_side(plain_rows: list[dict[str, Any]], sources: list[tuple[str, dict
             rows.append({"drafter": drafter, "method": method_name(r), "drafts": drafts,
                          "temperature": r["temperature"],
                          "tokens_per_second": r["tokens_per_second"], "speedup_vs_plain": speedup, "tau": r["tau"],
-                         "acceptance_per_position": r.get("acceptance_per_position") or [], "flags": flags})
+                         "acceptance_per_position": r.get("acceptance_per_position") or [], "flags": flags,
+                         **({"verify_threshold": r["verify_threshold"]} if r.get("verify_threshold") else {})})
     return rows
 
 
