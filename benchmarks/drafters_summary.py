@@ -148,10 +148,12 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "Goals (T=0):", ""]
     for name, goal in result["goals"].items():
         state = "missing" if goal["met"] is None else ("met" if goal["met"] else "not met")
-        flat = {**{k: v for k, v in goal.items() if not isinstance(v, dict)},
-                **{name: v for value in goal.values() if isinstance(value, dict) for name, v in value.items()}}
-        figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in flat.items()
-                            if k != "met")
+        def figure(key: str, value: Any) -> str:
+            if isinstance(value, dict):  # figures by step: "ratio_to_plain: dspark7 1.166, ..."
+                return f"{key}: " + ", ".join(figure(k, v) for k, v in value.items())
+            return f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+
+        figures = "; ".join(figure(k, v) for k, v in goal.items() if k != "met")
         lines.append(f"- {name}: {state} ({figures})")
     lines += [""] + [paragraph + "\n" for paragraph in result["findings"]]
     lines += ["Commands:", ""] + [f"    {c}" for c in result["commands"]]

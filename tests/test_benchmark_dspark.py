@@ -136,6 +136,8 @@ def test_drafters_summary_decides_each_goal_on_its_figures_or_names_what_is_miss
     assert found["step_cost"]["dflash7, 2 layers"] == {"kind": "dflash", "ratio_to_plain": 1.12,
                                                        "floor_ratio_to_plain": 1.05, "gpu": "H", "commit": "c"}
     assert "- dspark7, 2 layers: 1.200x plain, floor 1.100x (H, commit c)" in summary.markdown(found)
+    assert ("- dspark_step<=1.15x_plain: not met (ratio_to_plain: dspark7 1.100, dspark7, 2 layers 1.200; "
+            "floor_ratio_to_plain: dspark7, 2 layers 1.100)") in summary.markdown(found)
     assert summary.conditional([0.8, 0.6]) == [0.8, pytest.approx(0.75)]
     assert "| dspark | dspark | 2 | 0 | 15.0 | 1.50x | 3.00 | 0.80 0.60 | 0.80 0.75 |" in summary.markdown(found)
 
