@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "confidence heads, every block slot drafting) drafting K tokens a step (e.g. 4,7)")
     parser.add_argument("--dspark-layers", type=int, default=5, help="--dspark: the drafter's layers (as --dflash's)")
     parser.add_argument("--dspark-rank", type=int, default=MARKOV_RANK, help="--dspark: the Markov head's rank")
+    parser.add_argument("--dspark-topk", type=int, default=0,
+                        help="--dspark: the Markov bias on each draft's K best base logits alone (0 = every draft id)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -381,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 result[kind] = block_figures(kind, model, prompt, new_tokens, compile_, args.repeats, base,
                                              getattr(args, f"{kind}_layers"), lengths, step_ms, call_ms,
-                                             args.dspark_rank, bandwidth)
+                                             args.dspark_rank, bandwidth,
+                                             args.dspark_topk if kind == "dspark" else 0)
             except Exception as error:  # noqa: BLE001 - one drafter's failure must not cost the other figures
                 traceback.print_exc()
                 result[kind] = {"error": f"{type(error).__name__}: {error}"}

@@ -39,7 +39,7 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4,parallel4", "--parts", "chain4,parallel4",
                              "--repeats", "1", "--calls", "2", "--reference-bench", str(bench), "--profile", "--mla",
                              "--dflash", "2", "--dflash-layers", "1", "--reference-bench", str(variant),
-                             "--dspark", "2", "--dspark-layers", "1", "--dspark-rank", "8"])
+                             "--dspark", "2", "--dspark-layers", "1", "--dspark-rank", "8", "--dspark-topk", "3"])
     written = json.loads(out.read_text())
     assert written["complete"] and written["steps"] == result["steps"]
     plain = result["plain_step_ms"]["fused_projections"]
@@ -76,6 +76,7 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert dspark["draft_ms"]["dspark2"] > 0 and dspark["block_ms"]["dspark2"] > 0
     assert dspark["drafter"]["markov_rank"] == 8 and dspark["drafter"]["block_size"] == 2
     assert dspark["drafter"]["confidence_head"] and dspark["drafter"]["sample_from_anchor"]
+    assert dspark["drafter"]["draft_topk"] == 3 and dspark["steps"]["dspark2"]["options"]["draft_topk"] == 3
     step = dspark["steps"]["dspark2"]  # the floor: the rest of the step plus the drafter's weights at the bandwidth
     floor = dspark["weights_read_bytes"] / result["copy_bandwidth_bytes_per_s"] * 1e3
     assert dspark["draft_floor_ms"] == floor and 0 < floor < dspark["draft_ms"]["dspark2"]
@@ -83,7 +84,7 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert "a step no cheaper than dspark2" in (tmp_path / "step_cost.md").read_text()
     text = (tmp_path / "step_cost.md").read_text()
     assert "| chain4 |" in text and "MLA drafter" in text and "DFlash drafter" in text
-    assert "DSpark drafter, 1 layers, Markov head rank 8 (vanilla) and confidence head" in text
+    assert "DSpark drafter, 1 layers, Markov head rank 8 (vanilla, on 3 candidates) and confidence head" in text
     assert "| dspark (dspark2, variant-dspark, verify_threshold 0.5) | 0 | 2.25 |" in text
 
 

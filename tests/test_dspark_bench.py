@@ -40,3 +40,21 @@ def test_bench_sweeps_the_confidence_cut(chat_target, tmp_path):
         bench.run(load_config(bench.Config, None, [*common, f"output={tmp_path / 'c'}", "methods=plain,tree",
                                                    "verify_thresholds=0.5"]))
     assert not (tmp_path / "c").exists()
+
+
+def test_bench_drafts_dspark_on_the_markov_candidates_asked(chat_target, tmp_path):
+    chat_dspark(chat_target, tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "what is two plus two"}]}) + "\n")
+    common = [f"prompts={prompts}", f"target={chat_target}", f"drafter={tmp_path / 'drafter'}", "device=cpu",
+              "max_new_tokens=8", "repeats=1", "remeasure=0", "temperatures=0", "chain_length=4"]
+    result = bench.run(load_config(bench.Config, None, [*common, f"output={tmp_path / 'b'}", "methods=plain,dspark",
+                                                        "draft_topk=2"]))
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["dspark"]["new_tokens"] == rows["plain"]["new_tokens"] and rows["dspark"]["tau"] >= 1
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["config"]["draft_topk"] == 2
+    with pytest.raises(EaglekitError, match="draft_topk=2 sets the candidates of a Markov head's correction, and "
+                                            "methods=plain has none"):
+        bench.run(load_config(bench.Config, None, [*common, f"output={tmp_path / 'c'}", "methods=plain",
+                                                   "draft_topk=2"]))
+    assert not (tmp_path / "c").exists()

@@ -50,6 +50,8 @@ def test_greedy_dspark_equals_plain(heads) -> None:
             assert speculative.tokens == plain.tokens
             assert speculative.stats.max_drafts == chain_length
             assert len(speculative.stats.survival[0]) == chain_length  # the confidence of each draft's prefix
+        topk = decoder.generate(prompt, 20, method="dspark", chain_length=drafter.config.max_drafts, draft_topk=3)
+        assert topk.tokens == plain.tokens  # the Markov bias on 3 candidates: other drafts, the same output
 
 
 def test_the_markov_loop_feeds_each_draft_to_the_next() -> None:
@@ -74,6 +76,29 @@ def test_the_markov_loop_feeds_each_draft_to_the_next() -> None:
         torch.testing.assert_close(hidden, drafter.hidden_states(ids, torch.arange(7, 11)[None], context)[0])
 
 
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_draft_topk_corrects_only_the_best_base_candidates(kind: str) -> None:
+    """draft_topk = K: each draft is the best corrected logit among its position's K best base logits (the dense
+    loop's own logits, teacher-forced by these drafts); K = every draft id gives the dense loop's drafts."""
+    torch.manual_seed(0)
+    target = tiny_target("llama")
+    drafter = dspark_for(target, markov_head_type=kind)
+    backend = DSparkDrafterBackend(drafter)
+    with torch.no_grad():
+        backend.extend(torch.randn(7, 2 * target.config.hidden_size), torch.zeros(7, dtype=torch.long), torch.arange(7))
+        hidden = backend.block_hidden(torch.tensor(17), 7, 4)  # (4, H)
+        drafts, _, _ = markov_chain(drafter, hidden, torch.tensor(17), DecodeOptions(method="dspark", draft_topk=3),
+                                    VOCAB, None)
+        prev = torch.cat([torch.tensor([17]), drafts[:-1]])
+        logits, _ = drafter.markov_logits(hidden, prev)  # (4, Vd) every draft id corrected
+        candidates = drafter.lm_head(hidden).topk(3, dim=-1).indices  # (4, 3)
+        best = candidates.gather(1, logits.gather(1, candidates).argmax(-1, keepdim=True))[:, 0]
+        assert torch.equal(drafts, drafter.draft_to_target(best))
+        every = DecodeOptions(method="dspark", draft_topk=drafter.config.draft_vocab_size)
+        dense = markov_chain(drafter, hidden, torch.tensor(17), DecodeOptions(method="dspark"), VOCAB, None)[0]
+        assert torch.equal(markov_chain(drafter, hidden, torch.tensor(17), every, VOCAB, None)[0], dense)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_static_fused_steps_equal_eager_ones(temperature: float) -> None:
     """The static DSpark backend in the fused step (the Markov loop inside it): the eager reference's tokens and
@@ -85,10 +110,10 @@ def test_static_fused_steps_equal_eager_ones(temperature: float) -> None:
             target.model.norm.weight.zero_()  # the target samples uniformly: deep drafts get accepted
     static = Decoder(target, drafter, backend="static", max_length=64)
     deepest = 0
-    for threshold in (0.0, 0.3):
+    for threshold, draft_topk in ((0.0, 0), (0.3, 0), (0.0, 5)):
         for prompt in PROMPTS:
             options = dict(method="dspark", chain_length=4, temperature=temperature, seed=5,
-                           verify_threshold=threshold)
+                           verify_threshold=threshold, draft_topk=draft_topk)
             eager = Decoder(target, drafter).generate(prompt, 16, **options)
             fast = static.generate(prompt, 16, **options)
             assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted)
@@ -116,16 +141,18 @@ def test_compiled_fused_dspark_step_is_one_graph(monkeypatch) -> None:
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.4])
-def test_sampled_dspark_keeps_the_targets_distribution(threshold: float) -> None:
+@pytest.mark.parametrize("threshold, draft_topk", [(0.0, 0), (0.4, 0), (0.0, 16)])
+def test_sampled_dspark_keeps_the_targets_distribution(threshold: float, draft_topk: int) -> None:
     """The first three tokens of many T=1 samples with and without the drafter: the same distribution, while drafts
-    do get accepted; with a confidence cut too (which drafts are verified depends on the drafts alone)."""
+    do get accepted; with a confidence cut too (which drafts are verified depends on the drafts alone), and with the
+    Markov bias on 16 candidates (the drafts drawn from that truncated distribution)."""
     target = tiny_target("llama")
     drafter = dspark_for(target, draft_vocab=VOCAB)
     if threshold:  # a calibration that makes the cut bite: confidences well under 1
         drafter.with_temperatures((4.0, 4.0))
     decoder = Decoder(target, drafter)
-    plain, speculative, accepted = sampled_against_plain(decoder, PROMPTS, "dspark", 100, verify_threshold=threshold)
+    plain, speculative, accepted = sampled_against_plain(decoder, PROMPTS, "dspark", 100, verify_threshold=threshold,
+                                                         draft_topk=draft_topk)
     assert accepted > 20
     assert compare(plain, speculative)["matches_plain"]
 
@@ -161,6 +188,14 @@ def test_bad_options_are_refused() -> None:
 
     with pytest.raises(EaglekitError, match="method=dspark needs a drafter of type dspark"):
         Decoder(target, dflash_for(target)).generate(PROMPTS[0], 8, method="dspark")
+    with pytest.raises(EaglekitError, match="draft_topk=65: this DSpark drafter has 64 draft ids"):
+        decoder.generate(PROMPTS[0], 8, method="dspark", draft_topk=65)
+    with pytest.raises(EaglekitError, match="draft_topk=-1: the number of Markov candidates"):
+        decoder.generate(PROMPTS[0], 8, method="dspark", draft_topk=-1)
+    with pytest.raises(EaglekitError, match="draft_topk=4 picks the candidates of a Markov head's correction"):
+        Decoder(target, dflash_for(target)).generate(PROMPTS[0], 8, method="dflash", chain_length=3, draft_topk=4)
+    with pytest.raises(EaglekitError, match="method=plain has none of"):
+        decoder.generate(PROMPTS[0], 8, method="plain", draft_topk=4)
     with pytest.raises(EaglekitError, match="verify_threshold=0.5 cuts a chain"):
         Decoder(target, dflash_for(target)).generate(PROMPTS[0], 8, method="dflash", chain_length=3,
                                                      verify_threshold=0.5)

@@ -15,6 +15,8 @@ METHODS = ("plain", *registry.method_names())  # plain, and every drafter type's
 # methods that draft a chain of `chain_length` tokens (EAGLE-3 one forward per token, P-EAGLE's and DFlash's all of
 # them in one drafter forward); the others grow a tree
 CHAIN_METHODS = registry.chain_method_names()
+DRAFT_TOPK = ("method=dspark: add the Markov bias to each position's K best base logits alone (vLLM's "
+              "dspark_draft_topk; cheaper drafting, drafts among those K, lossless); 0 = every draft id")
 VERIFY_THRESHOLD = ("a drafter with a confidence head (dspark): verify only the leading drafts whose calibrated "
                     "survival (the product of their confidences) is at least this; 0 = every draft. Lossless")
 
@@ -31,6 +33,7 @@ class DecodeOptions:
     chain_length: int = 4  # chain, parallel, dflash: drafts per step
     verify_threshold: float = 0.0  # a drafter with a confidence head: verify only the drafts whose calibrated survival
     # (the product of their confidences) is at least this; 0 = every draft
+    draft_topk: int = 0  # dspark: the Markov bias on each position's K best base logits alone; 0 = every draft id
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0
 
@@ -42,6 +45,9 @@ class DecodeOptions:
         if not 0.0 <= self.verify_threshold <= 1.0:
             raise EaglekitError(f"verify_threshold={self.verify_threshold}: a survival probability, in [0, 1] "
                                 "(0 = verify every draft)")
+        if self.draft_topk < 0:
+            raise EaglekitError(f"draft_topk={self.draft_topk}: the number of Markov candidates per draft, >= 1 "
+                                "(0 = every draft id)")
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise EaglekitError(f"temperature must be >= 0 (0 = greedy), top_k >= 0 (0 = off) and top_p in (0, 1], "
                                 f"not {self.temperature}, {self.top_k} and {self.top_p}")

@@ -115,6 +115,10 @@ class Decoder:
                                     "leave verify_threshold at 0")
             if speculative.check is not None:
                 speculative.check(self.drafter, opts)
+        if opts.draft_topk and not (speculative and speculative.markov):
+            raise EaglekitError(f"draft_topk={opts.draft_topk} picks the candidates of a Markov head's correction, "
+                                f"which method={method} has none of: use method=dspark with a DSpark drafter, or "
+                                "leave draft_topk at 0")
         width = 0 if method == "plain" else 1 + (opts.chain_length if method in CHAIN_METHODS else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
             raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + "

@@ -30,3 +30,4 @@ class SpeculativeMethod:
     ahead: Callable[..., Any] | None = None
     check: Callable[[Any, Any], None] | None = None  # (drafter, options): refuse what the drafter cannot draft
     confidence: bool = False  # cuts its chain where the drafter's calibrated survival falls below `verify_threshold`
+    markov: bool = False  # corrects each draft by the one before it, on `draft_topk` candidates when that is set

@@ -15,7 +15,7 @@ from typing import Any
 
 from eaglekit import registry
 from eaglekit.config import option, to_dict
-from eaglekit.config.decode import METHODS, VERIFY_THRESHOLD, DecodeOptions
+from eaglekit.config.decode import DRAFT_TOPK, METHODS, VERIFY_THRESHOLD, DecodeOptions
 from eaglekit.errors import EaglekitError
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class Config:
     chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash, dspark: draft tokens per target "
                                "forward", min=1)
     verify_threshold: float = option(0.0, VERIFY_THRESHOLD, min=0, max=1)
+    draft_topk: int = option(0, DRAFT_TOPK, min=0)
     backend: str = option("auto", "auto = static fast path for Llama-family dense targets, else eager",
                           choices=("auto", "eager", "static"))
     compile: bool = option(False, "torch.compile + CUDA graphs for the static backend's fixed-shape steps (GPU only; "
@@ -82,7 +83,7 @@ def run(config: Config) -> dict[str, Any]:
                       top_p=config.top_p, top_k=config.top_k,
                       depth=config.depth, tree_top_k=config.tree_top_k, total_tokens=config.total_tokens,
                       chain_length=config.chain_length, verify_threshold=config.verify_threshold,
-                      eos_token_ids=eos_ids(tokenizer, target), seed=config.seed)
+                      draft_topk=config.draft_topk, eos_token_ids=eos_ids(tokenizer, target), seed=config.seed)
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
     stats = result.stats.to_dict()
     seconds = stats["prefill_seconds"] + stats["decode_seconds"]

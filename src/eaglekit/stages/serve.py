@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eaglekit import registry
 from eaglekit.config import check_options, option
-from eaglekit.config.decode import CHAIN_METHODS, VERIFY_THRESHOLD, DecodeOptions
+from eaglekit.config.decode import CHAIN_METHODS, DRAFT_TOPK, VERIFY_THRESHOLD, DecodeOptions
 from eaglekit.errors import EaglekitError
 from eaglekit.generation.backends import HFBackend
 from eaglekit.generation.server import ChatServer, GenerationEngine
@@ -52,6 +52,7 @@ class Config:
         DecodeOptions.chain_length, "with drafter, a chain method (chain, parallel, dflash, dspark): draft tokens per "
         "target forward", min=1)
     verify_threshold: float = option(0.0, "with drafter: " + VERIFY_THRESHOLD, min=0, max=1)
+    draft_topk: int = option(0, "with drafter: " + DRAFT_TOPK, min=0)
     depth: int = option(DecodeOptions.depth, "with drafter, method=tree: draft levels", min=1)
     total_tokens: int = option(
         DecodeOptions.total_tokens, "with drafter, method=tree: draft nodes verified per target forward"
@@ -82,6 +83,7 @@ def build_engine(config: Config) -> GenerationEngine:
         else {"depth": config.depth, "total_tokens": config.total_tokens, "tree_top_k": config.tree_top_k}
     )
     cut = {"verify_threshold": config.verify_threshold} if config.verify_threshold else {}
+    cut.update({"draft_topk": config.draft_topk} if config.draft_topk else {})
     engine = SpeculativeEngine(base, drafter, config.method, resolve_backend("auto", base.model), **shape, **cut)
     width = 1 + (config.chain_length if chain else config.total_tokens)  # draft slots per step
     engine.max_context = engine.decoder.max_length - width - 1  # the decoder's cache also holds one step's drafts

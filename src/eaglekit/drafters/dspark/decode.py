@@ -8,6 +8,10 @@ logits_i = base_i + W2 · z(W1[x_prev]), x_prev the bonus token for i = 0 and th
 draft i is the argmax (T = 0) or a draw from softmax(logits_i / T) (the bias before the temperature), and feeds the
 next position.
 
+`draft_topk` = K (vLLM's `dspark_draft_topk`): the Markov bias is added to each position's K best base logits alone
+(K rows of W2 read instead of Vd), the other draft ids get -inf: a draft is one of those K, and q_i is that truncated
+distribution, so sampling stays lossless.
+
 Sampling: draft i is drawn from q_i(· | drafts 0..i-1), the drafter's corrected distribution given the drafts before
 it; the chain's p/q rule (`verify.sampled_chain_path`) with these q_i keeps the target's distribution.
 
@@ -54,12 +58,21 @@ def markov_chain(
     prev, state = root_token.reshape(1), None  # one-element tensors throughout: no value is read back (graphs)
     base = drafter.lm_head(hidden)  # (k, Vd): one pass over the lm_head for the whole block, not one per position
     drafts, probs = [root_token.reshape(1)], []
+    if options.draft_topk:  # each position's K best base logits, once for the block
+        values, candidates = base.topk(options.draft_topk, dim=-1)  # (k, K) each
     for i in range(k):
-        logits, _, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
+        if options.draft_topk:  # the Markov bias on the K candidates alone, -inf elsewhere
+            top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
+                                                  candidates[i : i + 1])  # (1, K)
+            logits = torch.full_like(base[i : i + 1], float("-inf")).scatter(-1, candidates[i : i + 1], top)
+        else:
+            logits, _, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
         if options.temperature > 0:
             q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
             draft = sample(q, generator)  # (1,) one (1, 1) uniform, as a sampled EAGLE-3 chain draws each level
             probs.append(draft_probs_to_target(q, all_draft_ids, vocab_size))
+        elif options.draft_topk:
+            draft = candidates[i].index_select(0, top.argmax(-1))  # (1,)
         else:
             draft = logits.argmax(-1)  # (1,)
         prev = all_draft_ids.index_select(0, draft)  # (1,) target id
@@ -93,8 +106,13 @@ def grow_dspark(drafter_backend, drafter: DSparkDrafter, root_hidden: torch.Tens
 
 def check(drafter: torch.nn.Module, options: DecodeOptions) -> None:
     """What `method=dspark` refuses before drafting: a drafter of another type (the registry refuses it first), more
-    drafts than a block makes, a confidence threshold without a confidence head."""
+    drafts than a block makes, a confidence threshold without a confidence head, more Markov candidates than draft
+    ids."""
     check_drafts(options.chain_length, drafter.config)
+    ids = drafter.config.draft_vocab_size
+    if options.draft_topk > ids:
+        raise EaglekitError(f"draft_topk={options.draft_topk}: this DSpark drafter has {ids} draft ids; pass "
+                            f"draft_topk=1..{ids} (0 = all of them)")
     if options.verify_threshold > 0 and not drafter.config.confidence_head:
         raise EaglekitError(f"verify_threshold={options.verify_threshold} needs the drafter's confidence head, and "
                             "this DSpark drafter has none: leave verify_threshold at 0, or train one with "
@@ -108,4 +126,5 @@ def static_backend(drafter: torch.nn.Module, capacity: int, num_drafts: int, com
 
 
 METHOD = SpeculativeMethod("dspark", grow_dspark, DSparkDrafterBackend, static_backend,
-                           lambda drafter: isinstance(drafter, DSparkDrafter), check=check, confidence=True)
+                           lambda drafter: isinstance(drafter, DSparkDrafter), check=check, confidence=True,
+                           markov=True)

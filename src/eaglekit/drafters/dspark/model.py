@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.drafters.dflash.model import DFlashConfig, DFlashDrafter
@@ -123,6 +124,16 @@ class MarkovHead(nn.Module):
         state: torch.Tensor | None = None,  # (..., r) rnn: the state after the position before; None at the first
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """-> (bias (..., Vd), e = W1[prev] (..., r), the rnn's new state or None)."""
+        z, e, state = self.latent(prev, hidden, state)
+        return self.markov_w2(z), e, state
+
+    def latent(
+        self,
+        prev: torch.Tensor,  # (...,) target ids of the previous tokens
+        hidden: torch.Tensor,  # (..., H)
+        state: torch.Tensor | None = None,  # (..., r) rnn: the state after the position before
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """-> (z (..., r): the bias is W2 z, e = W1[prev] (..., r), the rnn's new state or None)."""
         e = self.markov_w1(prev).to(hidden.dtype)  # (..., r)
         if self.kind == "gated":
             z = torch.sigmoid(self.gate_proj(torch.cat([hidden, e], -1))) * e
@@ -133,7 +144,7 @@ class MarkovHead(nn.Module):
             z = torch.tanh(out)
         else:
             z = e
-        return self.markov_w2(z), e, state if self.kind == "rnn" else None
+        return z, e, state if self.kind == "rnn" else None
 
     def block_bias(
         self,
@@ -196,6 +207,22 @@ class DSparkDrafter(DFlashDrafter):
             return logits, None, None
         bias, e, state = self.markov_head.step(prev, hidden, state)
         return logits + bias, e, state
+
+    def candidate_logits(
+        self,
+        hidden: torch.Tensor,  # (1, H) post-norm hidden state of one drafted position
+        prev: torch.Tensor,  # (1,) target id of its previous token
+        state: torch.Tensor | None,  # (1, r) the rnn head's state after the position before
+        values: torch.Tensor,  # (1, K) its base logits at its K candidates
+        candidates: torch.Tensor,  # (1, K) draft ids of the candidates (the base logits' top K)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`position_logits` on K candidate draft ids only (`draft_topk`: K rows of W2 read, not Vd) -> (logits
+        (1, K) with the Markov bias, the rnn's new state or None)."""
+        if self.config.markov_rank == 0:
+            return values, None
+        z, _, state = self.markov_head.latent(prev, hidden, state)  # (1, r)
+        rows = F.embedding(candidates, self.markov_head.markov_w2.weight)  # (1, K, r)
+        return values + (rows @ z[..., None].to(rows.dtype))[..., 0].to(values.dtype), state
 
     def markov_logits(
         self,

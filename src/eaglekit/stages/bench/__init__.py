@@ -32,9 +32,10 @@ from typing import Any
 
 from eaglekit import registry
 from eaglekit.config import check_options, option, save_resolved, to_dict
-from eaglekit.config.decode import DecodeOptions
+from eaglekit.config.decode import DRAFT_TOPK, DecodeOptions
 from eaglekit.errors import EaglekitError
-from eaglekit.stages.bench.measure import DRAFTER_METHODS, _Runner, cut_label, measure_temperature, row_label
+from eaglekit.stages.bench.measure import (DRAFTER_METHODS, _Runner, cut_label, measure_temperature, row_label,
+                                           takes_draft_topk)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Config:
     total_tokens: int = option(DecodeOptions.total_tokens, "tree: draft nodes verified per target forward", min=1)
     chain_length: int = option(DecodeOptions.chain_length, "chain, parallel, dflash, dspark: draft tokens per target "
                                "forward", min=1)
+    draft_topk: int = option(0, DRAFT_TOPK, min=0)
     verify_thresholds: tuple[float, ...] = option((), "a method with a confidence cut (dspark): also measure it at "
                                                   "each of these verify_threshold values (its rows: drafts verified "
                                                   "per step and the accepted share of them; 0 = every draft)",
@@ -197,6 +199,10 @@ def _check(config: Config) -> list[str]:
             raise EaglekitError(f"verify_thresholds={','.join(f'{t:g}' for t in config.verify_thresholds)} sweeps the "
                                 f"confidence cut of a method that has one, and methods={','.join(methods)} has none: "
                                 "add method dspark (with a DSpark drafter), or drop verify_thresholds")
+    if config.draft_topk and not any(takes_draft_topk(m) for m in methods):
+        raise EaglekitError(f"draft_topk={config.draft_topk} sets the candidates of a Markov head's correction, and "
+                            f"methods={','.join(methods)} has none: add method dspark (with a DSpark drafter), or "
+                            "drop draft_topk")
     return methods
 
 

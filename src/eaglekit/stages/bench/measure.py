@@ -38,6 +38,11 @@ def split_label(label: str) -> tuple[str, float]:
     return method, float(threshold or 0.0)
 
 
+def takes_draft_topk(method: str) -> bool:
+    """Whether `method` drafts with a Markov head (the methods bench's `draft_topk` applies to)."""
+    return method in registry.method_names() and registry.speculative_method(method).markov
+
+
 def row_label(row: dict[str, Any]) -> str:
     return cut_label(row["method"], row.get("verify_threshold") or 0.0)
 Runner = Callable[[str, list[int], float], tuple[int, float, Any]]  # (method, prompt ids, T) -> tokens, s, stats
@@ -85,6 +90,7 @@ class _Runner:
         result = self.decoder.generate(ids, c.max_new_tokens, method=method, temperature=temperature, depth=c.depth,
                                        tree_top_k=c.tree_top_k, total_tokens=c.total_tokens,
                                        chain_length=c.chain_length, verify_threshold=threshold,
+                                       draft_topk=c.draft_topk if takes_draft_topk(method) else 0,
                                        eos_token_ids=self.eos, seed=c.seed)
         _sync(self.device)
         return len(result.tokens), time.perf_counter() - start, result.stats
