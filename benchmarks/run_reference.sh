@@ -20,9 +20,9 @@
 #   target        ~3 min    the reference target (run_all --quick --parts target), and meanwhile
 #                           tests/test_decode_gpu.py (the compiled fused steps equal the eager ones, DSpark's too)
 #                                                                                      reference_target.json
-#   step_cost     ~6 min    8B-shaped steps (random weights, so right after the target: a job cut off later
-#                           keeps them): plain, DFlash at k = 4, 7, DSpark at k = 4, 7, 8, each with its drafting
-#                           part alone                                                 step_cost_8b.json
+#   step_cost     ~4 min    8B-shaped steps (random weights, so right after the target: a job cut off later
+#                           keeps them): plain, DFlash at k = 7, DSpark at k = 7, 8, both with the variants' 2
+#                           layers, each with its drafting part alone and its floor     step_cost_8b.json
 #   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
 #                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
 #                           warm-up pass                                               run/bench/bench.json
@@ -52,7 +52,8 @@
 #                         only the peer's process sees, so its pinned libraries never shadow eaglekit's
 #   DSPARK_VERIFY_THRESHOLDS  JOB drafters: the DSpark variant's bench verify_thresholds (default 0,0.3,0.5,0.7;
 #                         empty: none)
-#   STEP_COST_ARGS        JOB drafters: step_cost.py's flags (default: the shapes above)
+#   STEP_COST_ARGS        JOB drafters: step_cost.py's flags (default: the shapes above; the published 5 layers:
+#                         --dflash-layers 5 --dspark-layers 5; DSpark's Markov loop on K candidates: --dspark-topk K)
 #   DRAFTERS_BENCH_METHODS  JOB drafters: the run's own bench methods (default plain,chain,tree; plain is the
 #                         baseline of every variant's speed-up)
 #   WAIT_S                `wait` returns after this many seconds even if the job runs on (default 0: no limit)
@@ -74,7 +75,7 @@ FLAGS=${RUN_ALL_FLAGS:-}
 WHEELS=${PEER_WHEELS:-.whl}
 PYTHON=${PYTHON:-python3}
 VERIFY=${DSPARK_VERIFY_THRESHOLDS-0,0.3,0.5,0.7}
-STEP_COST=${STEP_COST_ARGS:---shapes= --parts= --no-separate --dflash 4,7 --dspark 4,7,8}
+STEP_COST=${STEP_COST_ARGS:---shapes= --parts= --no-separate --dflash 7 --dflash-layers 2 --dspark 7,8 --dspark-layers 2}
 
 log() { echo "[$JOB $(date +%T)] $*"; }
 
