@@ -73,8 +73,9 @@ def test_compiled_cuda_parallel_and_dflash_steps_equal_eager():
 
 
 def test_compiled_cuda_dspark_step_equals_eager():
-    """DSpark (DFlash's static block, the Markov loop inside the fused step, a confidence cut) compiled into its
-    fused step: the eager reference's tokens, acceptance and drafts verified, greedy and sampled, cut or not."""
+    """DSpark (DFlash's static block, the Markov loop inside the fused step, a confidence cut, Markov candidates)
+    compiled into its fused step: the eager reference's tokens, acceptance and drafts verified, greedy and sampled,
+    cut or not, on every draft id or on 8 candidates."""
     from test_dspark_decode import dspark_for
 
     torch._dynamo.reset()
@@ -85,11 +86,12 @@ def test_compiled_cuda_dspark_step_equals_eager():
     for model, temperature in ((target, 0.0), (target, 1.0), (uniform, 1.0)):
         model = model.cuda()
         decoder = Decoder(model, drafter, backend="static", compile=True, max_length=128)
-        for threshold in (0.0, 0.3):
+        for threshold, draft_topk in ((0.0, 0), (0.3, 0), (0.0, 8)):
             for prompt in (PROMPT, LONG_PROMPT):
                 options = dict(method="dspark", chain_length=4, temperature=temperature, seed=3,
-                               verify_threshold=threshold)
+                               verify_threshold=threshold, draft_topk=draft_topk)
                 expected = generate(model, drafter, prompt, NEW, backend="eager", **options)
                 fast = decoder.generate(prompt, NEW, **options)
                 assert (fast.tokens, fast.stats.accepted, fast.stats.verified) == (
-                    expected.tokens, expected.stats.accepted, expected.stats.verified), (temperature, threshold)
+                    expected.tokens, expected.stats.accepted, expected.stats.verified), (temperature, threshold,
+                                                                                         draft_topk)
