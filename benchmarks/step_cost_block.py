@@ -115,7 +115,8 @@ def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_
             draft[f"{kind}{k}"] = timed(forward)
     floor = {}
     if bandwidth:
-        floor = {"weights_read_bytes": weights_read(drafter), "draft_floor_ms": weights_read(drafter) / bandwidth * 1e3}
+        read = weights_read(drafter)
+        floor = {"weights_read_bytes": read, "draft_floor_ms": read / bandwidth * 1e3}
         for name, step in steps.items():
             step["floor_ratio_to_plain"] = (step["step_ms"] - draft[name] + floor["draft_floor_ms"]) / base
     shape = {"layers": layers, "target_layer_ids": list(drafter.config.target_layer_ids),

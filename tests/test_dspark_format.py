@@ -141,8 +141,8 @@ def test_the_serve_command_names_each_types_method_and_drafts(fmt, tmp_path):
 
 
 def test_generate_and_serve_cut_by_confidence(tmp_path, chat_target):
-    """`eaglekit generate` and `eaglekit serve` take method=dspark with its chain_length and verify_threshold: the
-    same greedy text as plain decoding, the drafts verified per step reported."""
+    """`eaglekit generate` and `eaglekit serve` take method=dspark with its chain_length, verify_threshold and
+    draft_topk: the same greedy text as plain decoding, the drafts verified per step reported."""
     from eaglekit.stages import generate, serve
 
     chat_dspark(chat_target, tmp_path / "drafter")
@@ -158,3 +158,10 @@ def test_generate_and_serve_cut_by_confidence(tmp_path, chat_target):
     assert engine.options == {"chain_length": 3, "verify_threshold": 0.5}  # a chain method's length, not a tree's
     served = engine.generate(plain["tokens"][:3], 6)
     assert served.stats["tau"] >= 1 and "verified_per_step" in engine.metrics()
+    topk = generate.run(load_config(generate.Config, None, [*common, f"drafter={tmp_path / 'drafter'}",
+                                                            "method=dspark", "chain_length=4", "draft_topk=3"]))
+    assert topk["tokens"] == plain["tokens"]  # the Markov bias on 3 candidates: the same greedy text
+    engine = serve.build_engine(load_config(serve.Config, None, [
+        f"target={chat_target}", f"drafter={tmp_path / 'drafter'}", "method=dspark", "chain_length=3",
+        "draft_topk=3", "device=cpu"]))
+    assert engine.options == {"chain_length": 3, "draft_topk": 3}

@@ -82,9 +82,9 @@ def build_engine(config: Config) -> GenerationEngine:
         if chain
         else {"depth": config.depth, "total_tokens": config.total_tokens, "tree_top_k": config.tree_top_k}
     )
-    cut = {"verify_threshold": config.verify_threshold} if config.verify_threshold else {}
-    cut.update({"draft_topk": config.draft_topk} if config.draft_topk else {})
-    engine = SpeculativeEngine(base, drafter, config.method, resolve_backend("auto", base.model), **shape, **cut)
+    chosen = {name: value for name, value in (("verify_threshold", config.verify_threshold),
+                                              ("draft_topk", config.draft_topk)) if value}  # set, not defaults
+    engine = SpeculativeEngine(base, drafter, config.method, resolve_backend("auto", base.model), **shape, **chosen)
     width = 1 + (config.chain_length if chain else config.total_tokens)  # draft slots per step
     engine.max_context = engine.decoder.max_length - width - 1  # the decoder's cache also holds one step's drafts
     return engine

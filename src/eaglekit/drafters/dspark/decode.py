@@ -61,10 +61,11 @@ def markov_chain(
     if options.draft_topk:  # each position's K best base logits, once for the block
         values, candidates = base.topk(options.draft_topk, dim=-1)  # (k, K) each
     for i in range(k):
-        if options.draft_topk:  # the Markov bias on the K candidates alone, -inf elsewhere
+        if options.draft_topk:  # the Markov bias on the K candidates alone
             top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
                                                   candidates[i : i + 1])  # (1, K)
-            logits = torch.full_like(base[i : i + 1], float("-inf")).scatter(-1, candidates[i : i + 1], top)
+            if options.temperature > 0:  # the proposal over every draft id: -inf off the candidates
+                logits = torch.full_like(base[i : i + 1], float("-inf")).scatter(-1, candidates[i : i + 1], top)
         else:
             logits, _, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
         if options.temperature > 0:
