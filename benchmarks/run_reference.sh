@@ -14,15 +14,17 @@
 # lists them) -> extract_speed_reference (shards in RAM), profile, summary.
 #
 # JOB `drafters`: the drafter types side by side, DSpark beside DFlash, cut to about 20 minutes on one H200
-# (run_all --quick: a 600-step target, 500-step drafters; no HF peers, no draft LM), in runs/drafters and
+# (run_all --quick: a 600-step target, 500-step drafters; no HF peers, no draft LM; DRAFTERS_RECIPE=full: the
+# reference recipe's 1,200-step target and 1,100-step drafters, about 5 minutes more), in runs/drafters and
 # runs/drafters-results. Each part runs the summary after it, so summary.json/summary.md hold every figure measured
 # so far, and each part's own JSON lands as it finishes (a job cut off keeps the parts before):
 #   target        ~3 min    the reference target (run_all --quick --parts target), and meanwhile
 #                           tests/test_decode_gpu.py (the compiled fused steps equal the eager ones, DSpark's too)
 #                                                                                      reference_target.json
 #   step_cost     ~4 min    8B-shaped steps (random weights, so right after the target: a job cut off later
-#                           keeps them): plain, DFlash at k = 7, DSpark at k = 7, 8, both with the variants' 2
-#                           layers, each with its drafting part alone and its floor     step_cost_8b.json
+#                           keeps them): plain, DFlash at k = 7, DSpark at k = 7 over every draft id and with its
+#                           Markov bias on 64 candidates (draft_topk), both with the variants' 2 layers, each with
+#                           its drafting part alone and its floor                      step_cost_8b.json
 #   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
 #                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
 #                           warm-up pass                                               run/bench/bench.json
@@ -53,9 +55,10 @@
 #   DSPARK_VERIFY_THRESHOLDS  JOB drafters: the DSpark variant's bench verify_thresholds (default 0,0.3,0.5,0.7;
 #                         empty: none)
 #   STEP_COST_ARGS        JOB drafters: step_cost.py's flags (default: the shapes above; the published 5 layers:
-#                         --dflash-layers 5 --dspark-layers 5; DSpark's Markov loop on K candidates: --dspark-topk K)
+#                         --dflash-layers 5 --dspark-layers 5; the Markov loop's candidates: --dspark-topk 0,K,...)
 #   DRAFTERS_BENCH_METHODS  JOB drafters: the run's own bench methods (default plain,chain,tree; plain is the
 #                         baseline of every variant's speed-up)
+#   DRAFTERS_RECIPE       JOB drafters: quick (default) or full (run_all's own sizes, as JOB reference's)
 #   WAIT_S                `wait` returns after this many seconds even if the job runs on (default 0: no limit)
 #   PYTHON                the Python with eaglekit's dependencies (default python3)
 #   EAGLEKIT_COMMIT       the commit the JSON files name, for a copied tree without .git
@@ -75,7 +78,8 @@ FLAGS=${RUN_ALL_FLAGS:-}
 WHEELS=${PEER_WHEELS:-.whl}
 PYTHON=${PYTHON:-python3}
 VERIFY=${DSPARK_VERIFY_THRESHOLDS-0,0.3,0.5,0.7}
-STEP_COST=${STEP_COST_ARGS:---shapes= --parts= --no-separate --dflash 7 --dflash-layers 2 --dspark 7,8 --dspark-layers 2}
+STEP_COST=${STEP_COST_ARGS:---shapes= --parts= --no-separate --dflash 7 --dflash-layers 2 --dspark 7 --dspark-layers 2 --dspark-topk 0,64}
+RECIPE=${DRAFTERS_RECIPE:-quick}
 
 log() { echo "[$JOB $(date +%T)] $*"; }
 
@@ -127,7 +131,12 @@ probe() {  # block_probe.py on variant $1's drafter: decoded against the trainin
 }
 
 drafters_job() {
-    local quick="--quick --no-draft-lm --bench-methods ${DRAFTERS_BENCH_METHODS:-plain,chain,tree} --bench-repeats 3" cut=()
+    local quick="--no-draft-lm --bench-methods ${DRAFTERS_BENCH_METHODS:-plain,chain,tree} --bench-repeats 3" cut=()
+    case "$RECIPE" in
+        quick) quick="--quick $quick" ;;
+        full) ;;
+        *) log "DRAFTERS_RECIPE=$RECIPE: quick or full"; return 2 ;;
+    esac
     mkdir -p "$RESULTS"
     log start
     ("$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
@@ -194,7 +203,7 @@ case "${1:-}" in
         entry=job
         [ "$JOB" = drafters ] && entry=drafters_job
         export -f log run_all job has_bench_option probe drafters_job
-        export JOB RESULTS WORK FLAGS WHEELS PYTHON VERIFY STEP_COST
+        export JOB RESULTS WORK FLAGS WHEELS PYTHON VERIFY STEP_COST RECIPE
         nohup setsid bash -c "$entry" > "$LOG" 2>&1 < /dev/null &
         echo $! > "$PID"
         echo "started $JOB (pid $(cat "$PID")); log: $LOG" ;;

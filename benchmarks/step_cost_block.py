@@ -8,7 +8,8 @@ step: one CUDA graph a step with compile), and the step's drafting part alone, c
   slot drafts (`sample_from_anchor`, a block of k queries), a vanilla Markov head of rank `--dspark-rank` (256 by
   default, DeepSpec's: a (V x r) lookup and an (r x Vd) product per draft, left to right) and the confidence head
   reading it, calibrated (one temperature per position), so each step also computes the drafts' survival;
-  `--dspark-topk K`: the Markov bias on each position's K best base logits alone (`draft_topk`).
+  `--dspark-topk K,...`: also with the Markov bias on each position's K best base logits alone (`draft_topk`;
+  0 = every draft id), each a step of its own (dspark7 dense, dspark7_top64), timed in the same run.
   `draft_ms` is the block forward followed by the Markov loop (what the step drafts with, `decode.markov_chain` at
   T = 0), `block_ms` the block forward with the draft head alone (DFlash's `draft_ms`): their difference is what
   DSpark's heads cost.
@@ -64,6 +65,11 @@ def random_block_drafter(kind: str, model, device: torch.device, dtype: torch.dt
 LOOKUPS = ("embed_tokens.weight", "markov_w1.weight")  # read a row per token, not whole
 
 
+def step_name(kind: str, k: int, topk: int = 0) -> str:
+    """A block drafter's step at chain length k: dspark7, and dspark7_top64 with the Markov bias on 64 candidates."""
+    return f"{kind}{k}" + (f"_top{topk}" if topk else "")
+
+
 def weights_read(drafter: torch.nn.Module) -> int:
     """Bytes of the drafter's weights one drafting step reads whole (module docstring: the floor)."""
     return sum(p.numel() * p.element_size() for n, p in drafter.named_parameters() if not n.endswith(LOOKUPS))
@@ -71,11 +77,12 @@ def weights_read(drafter: torch.nn.Module) -> int:
 
 def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_: bool, repeats: int, base: float,
                   layers: int, lengths: tuple[int, ...], step_ms: Callable[..., float], call_ms: Callable[..., float],
-                  markov_rank: int = MARKOV_RANK, bandwidth: float | None = None, draft_topk: int = 0) -> dict:
+                  markov_rank: int = MARKOV_RANK, bandwidth: float | None = None,
+                  draft_topks: tuple[int, ...] = (0,)) -> dict:
     """Fused steps of a random `kind` drafter at each chain length k (`step_ms(decoder, prompt, new_tokens, options,
     repeats)`, step_cost.py's timer) and the drafting part alone (`call_ms(fn, device, repeats, calls)`), module
     docstring; `base`: the plain step's milliseconds; `bandwidth`: the copy bandwidth (bytes/s) the floor is read at;
-    `draft_topk`: DSpark's Markov candidates per draft (0 = every draft id)."""
+    `draft_topks`: DSpark's Markov candidates per draft, a step for each (0 = every draft id)."""
     from eaglekit.drafters.dspark.decode import markov_chain
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -89,9 +96,6 @@ def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_
     root = torch.ones((), dtype=torch.long, device=device)
     steps, draft, block = {}, {}, {}
     for k in lengths:
-        options = {"method": kind, "chain_length": k, **({"draft_topk": draft_topk} if draft_topk else {})}
-        ms = step_ms(decoder, prompt, new_tokens, options, repeats)
-        steps[f"{kind}{k}"] = {"options": options, "step_ms": ms, "ratio_to_plain": ms / base}
         backend = speculative_method(kind).static_backend(drafter, capacity, k, compile_)
         with torch.inference_mode():
             backend.extend(context, torch.zeros(context.shape[0], dtype=torch.long, device=device),
@@ -106,13 +110,19 @@ def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_
             return call_ms(once, device, repeats, 10)
 
         forward = (lambda k=k, backend=backend: backend.block_logits(root, length, k))
+        for topk in draft_topks if kind == "dspark" else (0,):
+            name = step_name(kind, k, topk)
+            options = {"method": kind, "chain_length": k, **({"draft_topk": topk} if topk else {})}
+            ms = step_ms(decoder, prompt, new_tokens, options, repeats)
+            steps[name] = {"options": options, "step_ms": ms, "ratio_to_plain": ms / base}
+            if kind == "dspark":
+                chain = DecodeOptions(**options)
+                draft[name] = timed(lambda k=k, backend=backend, chain=chain: markov_chain(
+                    drafter, backend.block_hidden(root, length, k), root, chain, vocab, None))
+            else:
+                draft[name] = timed(forward)
         if kind == "dspark":
-            chain = DecodeOptions(**options)
-            draft[f"{kind}{k}"] = timed(lambda k=k, backend=backend, chain=chain: markov_chain(
-                drafter, backend.block_hidden(root, length, k), root, chain, vocab, None))
             block[f"{kind}{k}"] = timed(forward)
-        else:
-            draft[f"{kind}{k}"] = timed(forward)
     floor = {}
     if bandwidth:
         read = weights_read(drafter)
@@ -124,7 +134,7 @@ def block_figures(kind: str, model, prompt: list[int], new_tokens: int, compile_
     if kind == "dspark":
         shape.update(markov_rank=drafter.config.markov_rank, markov_head_type=drafter.config.markov_head_type,
                      confidence_head=drafter.config.confidence_head,
-                     sample_from_anchor=drafter.config.sample_from_anchor, draft_topk=draft_topk)
+                     sample_from_anchor=drafter.config.sample_from_anchor, draft_topks=list(draft_topks))
     found = {"drafter": shape, "path": f"fused step over the static target and static {LABELS[kind]} context buffers",
              "steps": steps, "draft_ms": draft, "context_tokens": context.shape[0], **floor}
     return {**found, "block_ms": block} if block else found
@@ -135,9 +145,10 @@ def markdown(kind: str, figures: dict) -> list[str]:
     if "error" in figures:
         return ["", f"{LABELS[kind]} drafter: FAILED ({figures['error']})"]
     shape = figures["drafter"]
+    topks = [k for k in shape.get("draft_topks", ()) if k]
     heads = (f", Markov head rank {shape['markov_rank']} ({shape['markov_head_type']}"
-             + (f", on {shape['draft_topk']} candidates" if shape.get("draft_topk") else "") + ") and confidence head"
-             if kind == "dspark" else "")
+             + (f"; a _topK step biases K candidates alone: K = {', '.join(map(str, topks))}" if topks else "")
+             + ") and confidence head" if kind == "dspark" else "")
     def listed(figures_ms: dict) -> str:
         return ", ".join(f"{k} {v:.3f}" for k, v in figures_ms.items())
 

@@ -39,7 +39,7 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     result = step_cost.main(["--smoke", "--output", str(out), "--shapes", "chain4,parallel4", "--parts", "chain4,parallel4",
                              "--repeats", "1", "--calls", "2", "--reference-bench", str(bench), "--profile", "--mla",
                              "--dflash", "2", "--dflash-layers", "1", "--reference-bench", str(variant),
-                             "--dspark", "2", "--dspark-layers", "1", "--dspark-rank", "8", "--dspark-topk", "3"])
+                             "--dspark", "2", "--dspark-layers", "1", "--dspark-rank", "8", "--dspark-topk", "0,3"])
     written = json.loads(out.read_text())
     assert written["complete"] and written["steps"] == result["steps"]
     plain = result["plain_step_ms"]["fused_projections"]
@@ -72,11 +72,14 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert set(dflash["steps"]) == {"dflash2"} and dflash["steps"]["dflash2"]["step_ms"] > 0
     assert dflash["draft_ms"]["dflash2"] > 0 and dflash["drafter"]["layers"] == 1
     dspark = result["dspark"]  # DFlash's backbone, every slot drafting, the Markov and confidence heads in the step
-    assert set(dspark["steps"]) == {"dspark2"} and dspark["steps"]["dspark2"]["options"]["method"] == "dspark"
-    assert dspark["draft_ms"]["dspark2"] > 0 and dspark["block_ms"]["dspark2"] > 0
+    assert set(dspark["steps"]) == {"dspark2", "dspark2_top3"}  # every draft id, then the Markov bias on 3 of them
+    assert dspark["steps"]["dspark2"]["options"] == {"method": "dspark", "chain_length": 2}
+    assert dspark["steps"]["dspark2_top3"]["options"] == {"method": "dspark", "chain_length": 2, "draft_topk": 3}
+    assert set(dspark["draft_ms"]) == {"dspark2", "dspark2_top3"} and all(v > 0 for v in dspark["draft_ms"].values())
+    assert set(dspark["block_ms"]) == {"dspark2"} and dspark["block_ms"]["dspark2"] > 0
     assert dspark["drafter"]["markov_rank"] == 8 and dspark["drafter"]["block_size"] == 2
     assert dspark["drafter"]["confidence_head"] and dspark["drafter"]["sample_from_anchor"]
-    assert dspark["drafter"]["draft_topk"] == 3 and dspark["steps"]["dspark2"]["options"]["draft_topk"] == 3
+    assert dspark["drafter"]["draft_topks"] == [0, 3]
     step = dspark["steps"]["dspark2"]  # the floor: the rest of the step plus the drafter's weights at the bandwidth
     floor = dspark["weights_read_bytes"] / result["copy_bandwidth_bytes_per_s"] * 1e3
     assert dspark["draft_floor_ms"] == floor and 0 < floor < dspark["draft_ms"]["dspark2"]
@@ -84,7 +87,8 @@ def test_step_cost_smoke_writes_ratios_parts_and_projection(tmp_path):
     assert "a step no cheaper than dspark2" in (tmp_path / "step_cost.md").read_text()
     text = (tmp_path / "step_cost.md").read_text()
     assert "| chain4 |" in text and "MLA drafter" in text and "DFlash drafter" in text
-    assert "DSpark drafter, 1 layers, Markov head rank 8 (vanilla, on 3 candidates) and confidence head" in text
+    assert "rank 8 (vanilla; a _topK step biases K candidates alone: K = 3) and confidence head" in text
+    assert "dspark2_top3" in text
     assert "| dspark (dspark2, variant-dspark, verify_threshold 0.5) | 0 | 2.25 |" in text
 
 
