@@ -33,11 +33,11 @@
 #                           verify_thresholds option (when this eaglekit's bench has it), also a row per
 #                           threshold (DSPARK_VERIFY_THRESHOLDS, about 15 s each once compiled)
 #                                                                                      variant_dspark.json
-#   probe         ~1 min    benchmarks/block_probe.py on the DSpark drafter: its decoded acceptance per position
-#                           against the training forward's on the same answers     block_probe_dspark.json
 #   dflash        ~2 min    variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
 #                                                                                      variant_dflash.json
-#   probe         ~1 min    the same on the DFlash drafter                           block_probe_dflash.json
+#   probes        ~2 min    benchmarks/block_probe.py on the DSpark drafter, then the DFlash one: decoded acceptance
+#                           per position against the training forward's on the same answers
+#                                                                      block_probe_dspark.json, block_probe_dflash.json
 # Times are estimates for an H200 (the target, pipeline and bench were measured together at 8.5 minutes on an
 # H100); most of step_cost's is compiling the 8B-shaped graphs, one fused step per (drafter, k).
 #
@@ -153,8 +153,8 @@ drafters_job() {
     fi
     run_all variant,summary variant_dspark $quick --variant drafter_type=dspark,block_size=8,draft_layers=2 \
         ${cut[@]+"${cut[@]}"}
-    probe dspark
     run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
+    probe dspark  # after both variants: a job cut off here keeps the side by side
     probe dflash
     log DONE
 }
