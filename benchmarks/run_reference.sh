@@ -59,6 +59,8 @@
 #   DRAFTERS_BENCH_METHODS  JOB drafters: the run's own bench methods (default plain,chain,tree; plain is the
 #                         baseline of every variant's speed-up)
 #   DRAFTERS_RECIPE       JOB drafters: quick (default) or full (run_all's own sizes, as JOB reference's)
+#   DRAFTER_STEPS         JOB drafters: the DSpark and DFlash variants' training steps (default: the recipe's; e.g.
+#                         1100 on the quick target and store, about 3 minutes more than 500)
 #   WAIT_S                `wait` returns after this many seconds even if the job runs on (default 0: no limit)
 #   PYTHON                the Python with eaglekit's dependencies (default python3)
 #   EAGLEKIT_COMMIT       the commit the JSON files name, for a copied tree without .git
@@ -151,9 +153,10 @@ drafters_job() {
     elif [ -n "$VERIFY" ]; then
         log "bench takes no verify_thresholds option: the DSpark variant is benched over its whole block only"
     fi
-    run_all variant,summary variant_dspark $quick --variant drafter_type=dspark,block_size=8,draft_layers=2 \
+    local steps=${DRAFTER_STEPS:+,max_steps=$DRAFTER_STEPS}
+    run_all variant,summary variant_dspark $quick --variant "drafter_type=dspark,block_size=8,draft_layers=2$steps" \
         ${cut[@]+"${cut[@]}"}
-    run_all variant,summary variant_dflash $quick --variant drafter_type=dflash,block_size=8,draft_layers=2
+    run_all variant,summary variant_dflash $quick --variant "drafter_type=dflash,block_size=8,draft_layers=2$steps"
     probe dspark  # after both variants: a job cut off here keeps the side by side
     probe dflash
     log DONE
