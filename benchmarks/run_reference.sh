@@ -82,6 +82,11 @@ PYTHON=${PYTHON:-python3}
 VERIFY=${DSPARK_VERIFY_THRESHOLDS-0,0.3,0.5,0.7}
 STEP_COST=${STEP_COST_ARGS:---shapes= --parts= --no-separate --dflash 7 --dflash-layers 2 --dspark 7 --dspark-layers 2 --dspark-topk 0,64}
 RECIPE=${DRAFTERS_RECIPE:-quick}
+case "$RECIPE" in
+    quick|full) ;;
+    *) echo "DRAFTERS_RECIPE=$RECIPE: quick or full" >&2; exit 2 ;;
+esac
+[[ ${DRAFTER_STEPS:-1} =~ ^[1-9][0-9]*$ ]] || { echo "DRAFTER_STEPS=$DRAFTER_STEPS: a step count >= 1" >&2; exit 2; }
 
 log() { echo "[$JOB $(date +%T)] $*"; }
 
@@ -134,11 +139,7 @@ probe() {  # block_probe.py on variant $1's drafter: decoded against the trainin
 
 drafters_job() {
     local quick="--no-draft-lm --bench-methods ${DRAFTERS_BENCH_METHODS:-plain,chain,tree} --bench-repeats 3" cut=()
-    case "$RECIPE" in
-        quick) quick="--quick $quick" ;;
-        full) ;;
-        *) log "DRAFTERS_RECIPE=$RECIPE: quick or full"; return 2 ;;
-    esac
+    [ "$RECIPE" = quick ] && quick="--quick $quick"
     mkdir -p "$RESULTS"
     log start
     ("$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1

@@ -285,6 +285,17 @@ def projection(reference_benches: list[str], plain: float, steps: dict[str, floa
     return out
 
 
+def counts(text: str) -> tuple[int, ...]:
+    """An option's "K,K,..." -> (K, ...) (argparse's type: one usage error for anything but counts >= 0)."""
+    try:
+        values = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        values = (-1,)
+    if any(k < 0 for k in values):
+        raise argparse.ArgumentTypeError(f"'{text}': comma-separated whole numbers >= 0, e.g. 4,7")
+    return values
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no compile (proves the script runs)")
@@ -302,15 +313,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-separate", dest="separate", action="store_false",
                         help="leave out plain decoding with separate q/k/v and gate/up projections")
     parser.add_argument("--mla", action="store_true", help="also time steps with an MLA drafter (eager drafter loop)")
-    parser.add_argument("--dflash", default="", metavar="K,K,...",
+    parser.add_argument("--dflash", type=counts, default=(), metavar="K,K,...",
                         help="also time steps with a random DFlash drafter drafting K tokens a step (e.g. 4,7,15)")
     parser.add_argument("--dflash-layers", type=int, default=5, help="--dflash: the drafter's layers (published: 5)")
-    parser.add_argument("--dspark", default="", metavar="K,K,...",
+    parser.add_argument("--dspark", type=counts, default=(), metavar="K,K,...",
                         help="also time steps with a random DSpark drafter (DFlash's backbone, Markov and calibrated "
                              "confidence heads, every block slot drafting) drafting K tokens a step (e.g. 4,7)")
     parser.add_argument("--dspark-layers", type=int, default=5, help="--dspark: the drafter's layers (as --dflash's)")
     parser.add_argument("--dspark-rank", type=int, default=MARKOV_RANK, help="--dspark: the Markov head's rank")
-    parser.add_argument("--dspark-topk", default="0", metavar="K,K,...",
+    parser.add_argument("--dspark-topk", type=counts, default=(0,), metavar="K,K,...",
                         help="--dspark: also the Markov bias on each draft's K best base logits alone, a step for "
                              "each K (0 = every draft id; e.g. 0,64 times both in one run)")
     args = parser.parse_args(argv)
@@ -380,13 +391,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["mla"] = mla_figures(model, prompt, new_tokens, compile_, args.repeats, base)
         save()
     for kind in BLOCK_KINDS:  # the block drafters, each at its chain lengths
-        if getattr(args, kind):
-            lengths = tuple(int(k) for k in getattr(args, kind).split(","))
+        lengths = getattr(args, kind)
+        if lengths:
             try:
                 result[kind] = block_figures(kind, model, prompt, new_tokens, compile_, args.repeats, base,
                                              getattr(args, f"{kind}_layers"), lengths, step_ms, call_ms,
-                                             args.dspark_rank, bandwidth,
-                                             tuple(int(k) for k in args.dspark_topk.split(",")))
+                                             args.dspark_rank, bandwidth, args.dspark_topk)
             except Exception as error:  # noqa: BLE001 - one drafter's failure must not cost the other figures
                 traceback.print_exc()
                 result[kind] = {"error": f"{type(error).__name__}: {error}"}

@@ -127,3 +127,12 @@ def test_a_block_drafter_that_fails_keeps_the_other_figures(tmp_path, monkeypatc
     assert set(result["dflash"]["steps"]) == {"dflash2"} and "dflash_step<=1.15x_plain" in result["goals"]
     assert "dspark_step<=1.15x_plain" not in result["goals"] and result["steps"] == {}
     assert "DSpark drafter: FAILED (RuntimeError: no static step)" in (tmp_path / "step_cost.md").read_text()
+
+
+def test_chain_lengths_and_markov_candidates_that_are_not_counts_are_one_usage_error(tmp_path, capsys):
+    step_cost = load("step_cost")
+    for flags in (["--dspark", "2", "--dspark-topk", "0,x"], ["--dflash", "4,-1"], ["--dspark-topk", ""]):
+        with pytest.raises(SystemExit) as stop:  # before any model is built or file written
+            step_cost.main(["--smoke", "--output", str(tmp_path / "step_cost.json"), *flags])
+        assert stop.value.code == 2 and "comma-separated whole numbers >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "step_cost.json").exists()
