@@ -79,10 +79,12 @@ def test_the_markov_loop_feeds_each_draft_to_the_next() -> None:
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_draft_topk_corrects_only_the_best_base_candidates(kind: str) -> None:
     """draft_topk = K: each draft is the best corrected logit among its position's K best base logits (the dense
-    loop's own logits, teacher-forced by these drafts); K = every draft id gives the dense loop's drafts."""
+    loop's own logits, teacher-forced by these drafts), also where the bias picks another candidate than the base
+    logits would (the vanilla head's greedy table included); K = every draft id gives the dense loop's drafts."""
     torch.manual_seed(0)
     target = tiny_target("llama")
     drafter = dspark_for(target, markov_head_type=kind)
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=30.0)  # the bias decides between candidates
     backend = DSparkDrafterBackend(drafter)
     with torch.no_grad():
         backend.extend(torch.randn(7, 2 * target.config.hidden_size), torch.zeros(7, dtype=torch.long), torch.arange(7))
@@ -94,6 +96,7 @@ def test_draft_topk_corrects_only_the_best_base_candidates(kind: str) -> None:
         candidates = drafter.lm_head(hidden).topk(3, dim=-1).indices  # (4, 3)
         best = candidates.gather(1, logits.gather(1, candidates).argmax(-1, keepdim=True))[:, 0]
         assert torch.equal(drafts, drafter.draft_to_target(best))
+        assert not torch.equal(best, candidates[:, 0])  # the bias changed a draft
         every = DecodeOptions(method="dspark", draft_topk=drafter.config.draft_vocab_size)
         dense = markov_chain(drafter, hidden, torch.tensor(17), DecodeOptions(method="dspark"), VOCAB, None)[0]
         assert torch.equal(markov_chain(drafter, hidden, torch.tensor(17), every, VOCAB, None)[0], dense)

@@ -10,7 +10,10 @@ next position.
 
 `draft_topk` = K (vLLM's `dspark_draft_topk`): the Markov bias is added to each position's K best base logits alone
 (K rows of W2 read instead of Vd), the other draft ids get -inf: a draft is one of those K, and q_i is that truncated
-distribution, so sampling stays lossless.
+distribution, so sampling stays lossless. Greedy with the vanilla head, whose bias depends on the previous token alone,
+needs no loop over the model: the previous token of position i is one of position i-1's K candidates, so the bias of
+every (previous candidate, candidate) pair of every position is one batched product and the best candidate after
+each previous one one argmax (`greedy_candidate_chain`); what stays in order is k lookups.
 
 Sampling: draft i is drawn from q_i(· | drafts 0..i-1), the drafter's corrected distribution given the drafts before
 it; the chain's p/q rule (`verify.sampled_chain_path`) with these q_i keeps the target's distribution.
@@ -25,6 +28,7 @@ output keeps the target's distribution.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from eaglekit.config.decode import DecodeOptions
 from eaglekit.decode.methods import SpeculativeMethod
@@ -58,9 +62,14 @@ def markov_chain(
     prev, state = root_token.reshape(1), None  # one-element tensors throughout: no value is read back (graphs)
     base = drafter.lm_head(hidden)  # (k, Vd): one pass over the lm_head for the whole block, not one per position
     drafts, probs = [root_token.reshape(1)], []
+    config = drafter.config
+    table = (options.draft_topk and options.temperature <= 0 and config.markov_rank
+             and config.markov_head_type == "vanilla")
     if options.draft_topk:  # each position's K best base logits, once for the block
         values, candidates = base.topk(options.draft_topk, dim=-1)  # (k, K) each
-    for i in range(k):
+    if table:
+        drafts.append(drafter.draft_to_target(greedy_candidate_chain(drafter, values, candidates, root_token)))
+    for i in range(0 if table else k):
         if options.draft_topk:  # the Markov bias on the K candidates alone
             top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
                                                   candidates[i : i + 1])  # (1, K)
@@ -80,10 +89,31 @@ def markov_chain(
         drafts.append(prev)
     previous = torch.cat(drafts)  # (k+1,) the bonus token, then the drafts
     # the confidences read only the drafts before them: all k in one pass after the loop, none inside it
-    config = drafter.config
     e = (drafter.markov_head.markov_w1(previous[:-1]) if config.confidence_head and config.confidence_head_with_markov
          else None)  # (k, r)
     return previous[1:], torch.cat(probs) if probs else None, drafter.confidence_logits(hidden, e)
+
+
+def greedy_candidate_chain(
+    drafter: DSparkDrafter,
+    values: torch.Tensor,  # (k, K) base logits of each position's K candidates
+    candidates: torch.Tensor,  # (k, K) their draft ids
+    root_token: torch.Tensor,  # () the bonus token (target id)
+) -> torch.Tensor:
+    """The greedy Markov loop over K candidates for the vanilla head, as one table (module docstring) -> drafts (k,)
+    draft ids: position i's best candidate after the one drafted at i - 1."""
+    head = drafter.markov_head
+    k, width = candidates.shape
+    prev = torch.cat([root_token.reshape(1, 1).expand(1, width),  # position 0 follows the bonus token alone
+                      drafter.draft_to_target(candidates[:-1])])  # (k, K) target ids of the possible previous tokens
+    w1 = head.markov_w1(prev)  # (k, K, r)
+    w2 = F.embedding(candidates, head.markov_w2.weight)  # (k, K, r)
+    bias = w1.to(w2.dtype) @ w2.transpose(1, 2)  # (k, K previous, K next): W2[next] . W1[previous]
+    best = (values[:, None, :] + bias.to(values.dtype)).argmax(-1)  # (k, K) best next candidate per previous one
+    chosen = [best[0, :1]]  # (1,) index into position 0's candidates
+    for i in range(1, k):
+        chosen.append(best[i].index_select(0, chosen[-1]))
+    return candidates.gather(1, torch.cat(chosen)[:, None])[:, 0]
 
 
 def grow_dspark(drafter_backend, drafter: DSparkDrafter, root_hidden: torch.Tensor, root_logits: torch.Tensor,
