@@ -1,4 +1,4 @@
-"""Generate text with speculative decoding (EAGLE-3 drafter, chain or tree) and report acceptance.
+"""Generate text with speculative decoding (any drafter type and its methods) and report acceptance.
 
     eaglekit generate --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/drafter --prompt "Hello"
     eaglekit generate target=tiny method=plain prompt="def fib(n):"

@@ -1,4 +1,4 @@
-"""Import a drafter checkpoint (EAGLE, vLLM, SGLang or speculators layout; EAGLE-3, P-EAGLE, DFlash) into eaglekit.
+"""Import a drafter checkpoint (EAGLE, vLLM, SGLang or speculators layout; any drafter type) into eaglekit.
 
     eaglekit import path/to/EAGLE3-LLaMA3.1-Instruct-8B output=runs/imported target=meta-llama/Llama-3.1-8B-Instruct
     eaglekit import runs/export/sglang output=runs/imported from_format=sglang

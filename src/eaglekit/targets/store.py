@@ -185,7 +185,7 @@ class HiddenStateDataset:
         manifest = read_manifest(self.directory)
         if manifest is None:
             raise EaglekitError(f"{self.directory} has no manifest.json: it is not a finished extract output; "
-                                "run (or re-run, it resumes) eaglekit extract out=" + str(self.directory))
+                                f"run (or re-run: it resumes) `eaglekit extract ... output={self.directory}`")
         if manifest.get("format") != STORE_FORMAT:
             raise EaglekitError(f"{self.directory}/manifest.json is format {manifest.get('format')!r}, expected "
                                 f"{STORE_FORMAT}; re-extract with this eaglekit version")
