@@ -9,6 +9,7 @@ import torch
 
 from builders import VOCAB, sampled_against_plain, tiny_target
 from eaglekit.decode import Decoder
+from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs
 from eaglekit.drafters.dspark.decode import DSparkDrafterBackend, markov_chain
 from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.drafters.dspark.static import StaticDSparkDrafter
@@ -97,6 +98,19 @@ def test_draft_topk_corrects_only_the_best_base_candidates(kind: str) -> None:
         best = candidates.gather(1, logits.gather(1, candidates).argmax(-1, keepdim=True))[:, 0]
         assert torch.equal(drafts, drafter.draft_to_target(best))
         assert not torch.equal(best, candidates[:, 0])  # the bias changed a draft
+        all_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
+        sampled_options = DecodeOptions(method="dspark", draft_topk=3, temperature=40.0, top_k=2)  # not one-hot
+        others = 0  # drafts before the last that are not their position's first candidate
+        for seed in range(4):
+            sampled, probs, _ = markov_chain(drafter, hidden, torch.tensor(17), sampled_options, VOCAB,
+                                             torch.Generator().manual_seed(seed))
+            logits, _ = drafter.markov_logits(hidden, torch.cat([torch.tensor([17]), sampled[:-1]]))
+            truncated = torch.full_like(logits, float("-inf")).scatter(-1, candidates, logits.gather(1, candidates))
+            expected = logits_to_probs(truncated, 40.0, top_k=2)  # (4, Vd) what each draft was drawn from
+            torch.testing.assert_close(probs, draft_probs_to_target(expected, all_ids, VOCAB))
+            assert probs[torch.arange(4), sampled].min() > 0
+            others += int((sampled[:-1] != all_ids[candidates[:-1, 0]]).sum())
+        assert others  # the rows drawn from follow the drafts before them, not one fixed previous token
         every = DecodeOptions(method="dspark", draft_topk=drafter.config.draft_vocab_size)
         dense = markov_chain(drafter, hidden, torch.tensor(17), DecodeOptions(method="dspark"), VOCAB, None)[0]
         assert torch.equal(markov_chain(drafter, hidden, torch.tensor(17), every, VOCAB, None)[0], dense)

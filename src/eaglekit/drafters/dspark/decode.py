@@ -10,10 +10,11 @@ next position.
 
 `draft_topk` = K (vLLM's `dspark_draft_topk`): the Markov bias is added to each position's K best base logits alone
 (K rows of W2 read instead of Vd), the other draft ids get -inf: a draft is one of those K, and q_i is that truncated
-distribution, so sampling stays lossless. Greedy with the vanilla head, whose bias depends on the previous token alone,
-needs no loop over the model: the previous token of position i is one of position i-1's K candidates, so the bias of
-every (previous candidate, candidate) pair of every position is one batched product and the best candidate after
-each previous one one argmax (`greedy_candidate_chain`); what stays in order is k lookups.
+distribution, so sampling stays lossless. With the vanilla head, whose bias depends on the previous token alone, the
+loop needs no pass over the model: the previous token of position i is one of position i-1's K candidates, so the
+corrected logits after every (previous candidate, candidate) pair of the block are one batched product
+(`candidate_chain`); what stays in order is k lookups in that table (greedy: the best candidate after the one drafted
+before, from one argmax over the table; sampled: a draw from its row, over K ids, not Vd).
 
 Sampling: draft i is drawn from q_i(· | drafts 0..i-1), the drafter's corrected distribution given the drafts before
 it; the chain's p/q rule (`verify.sampled_chain_path`) with these q_i keeps the target's distribution.
@@ -63,12 +64,15 @@ def markov_chain(
     base = drafter.lm_head(hidden)  # (k, Vd): one pass over the lm_head for the whole block, not one per position
     drafts, probs = [root_token.reshape(1)], []
     config = drafter.config
-    table = (options.draft_topk and options.temperature <= 0 and config.markov_rank
-             and config.markov_head_type == "vanilla")
+    table = options.draft_topk and config.markov_rank and config.markov_head_type == "vanilla"
     if options.draft_topk:  # each position's K best base logits, once for the block
         values, candidates = base.topk(options.draft_topk, dim=-1)  # (k, K) each
     if table:
-        drafts.append(drafter.draft_to_target(greedy_candidate_chain(drafter, values, candidates, root_token)))
+        chosen, q = candidate_chain(drafter, values, candidates, root_token, options, generator)
+        drafts.append(drafter.draft_to_target(chosen))
+        if q is not None:  # over every draft id: zero off the candidates
+            q = torch.zeros(base.shape, dtype=q.dtype, device=q.device).scatter(-1, candidates, q)  # (k, Vd)
+            probs.append(draft_probs_to_target(q, all_draft_ids, vocab_size))
     for i in range(0 if table else k):
         if options.draft_topk:  # the Markov bias on the K candidates alone
             top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
@@ -94,14 +98,16 @@ def markov_chain(
     return previous[1:], torch.cat(probs) if probs else None, drafter.confidence_logits(hidden, e)
 
 
-def greedy_candidate_chain(
+def candidate_chain(
     drafter: DSparkDrafter,
     values: torch.Tensor,  # (k, K) base logits of each position's K candidates
     candidates: torch.Tensor,  # (k, K) their draft ids
     root_token: torch.Tensor,  # () the bonus token (target id)
-) -> torch.Tensor:
-    """The greedy Markov loop over K candidates for the vanilla head, as one table (module docstring) -> drafts (k,)
-    draft ids: position i's best candidate after the one drafted at i - 1."""
+    options: DecodeOptions,
+    generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Markov loop over K candidates for the vanilla head, from one table (module docstring) -> (drafts (k,)
+    draft ids, the distributions over its K candidates each was drawn from (k, K), None at T = 0)."""
     head = drafter.markov_head
     k, width = candidates.shape
     prev = torch.cat([root_token.reshape(1, 1).expand(1, width),  # position 0 follows the bonus token alone
@@ -109,11 +115,20 @@ def greedy_candidate_chain(
     w1 = head.markov_w1(prev)  # (k, K, r)
     w2 = F.embedding(candidates, head.markov_w2.weight)  # (k, K, r)
     bias = w1.to(w2.dtype) @ w2.transpose(1, 2)  # (k, K previous, K next): W2[next] . W1[previous]
-    best = (values[:, None, :] + bias.to(values.dtype)).argmax(-1)  # (k, K) best next candidate per previous one
-    chosen = [best[0, :1]]  # (1,) index into position 0's candidates
-    for i in range(1, k):
-        chosen.append(best[i].index_select(0, chosen[-1]))
-    return candidates.gather(1, torch.cat(chosen)[:, None])[:, 0]
+    table = values[:, None, :] + bias.to(values.dtype)  # (k, K, K) the corrected logits after each previous one
+    if options.temperature <= 0:
+        best = table.argmax(-1)  # (k, K) the best next candidate after each previous one
+    else:
+        q = logits_to_probs(table, options.temperature, options.top_k, options.top_p)  # (k, K, K)
+    chosen, rows = [torch.zeros(1, dtype=torch.long, device=values.device)], []  # position 0: any row (all alike)
+    for i in range(k):
+        if options.temperature <= 0:
+            chosen.append(best[i].index_select(0, chosen[-1]))  # (1,)
+        else:
+            rows.append(q[i].index_select(0, chosen[-1]))  # (1, K)
+            chosen.append(sample(rows[-1], generator))  # (1,) one (1, 1) uniform a draft, as the loop draws
+    drafted = candidates.gather(1, torch.cat(chosen[1:])[:, None])[:, 0]
+    return drafted, torch.cat(rows) if rows else None
 
 
 def grow_dspark(drafter_backend, drafter: DSparkDrafter, root_hidden: torch.Tensor, root_logits: torch.Tensor,
