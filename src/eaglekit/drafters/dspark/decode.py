@@ -64,16 +64,16 @@ def markov_chain(
     base = drafter.lm_head(hidden)  # (k, Vd): one pass over the lm_head for the whole block, not one per position
     drafts, probs = [root_token.reshape(1)], []
     config = drafter.config
-    table = options.draft_topk and config.markov_rank and config.markov_head_type == "vanilla"
+    by_table = options.draft_topk and config.markov_rank and config.markov_head_type == "vanilla"  # no loop
     if options.draft_topk:  # each position's K best base logits, once for the block
         values, candidates = base.topk(options.draft_topk, dim=-1)  # (k, K) each
-    if table:
+    if by_table:
         chosen, q = candidate_chain(drafter, values, candidates, root_token, options, generator)
         drafts.append(drafter.draft_to_target(chosen))
         if q is not None:  # over every draft id: zero off the candidates
             q = torch.zeros(base.shape, dtype=q.dtype, device=q.device).scatter(-1, candidates, q)  # (k, Vd)
             probs.append(draft_probs_to_target(q, all_draft_ids, vocab_size))
-    for i in range(0 if table else k):
+    for i in range(0 if by_table else k):
         if options.draft_topk:  # the Markov bias on the K candidates alone
             top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
                                                   candidates[i : i + 1])  # (1, K)
