@@ -71,8 +71,7 @@ def markov_chain(
         chosen, q = candidate_chain(drafter, values, candidates, root_token, options, generator)
         drafts.append(drafter.draft_to_target(chosen))
         if q is not None:  # over every draft id: zero off the candidates
-            q = torch.zeros(base.shape, dtype=q.dtype, device=q.device).scatter(-1, candidates, q)  # (k, Vd)
-            probs.append(draft_probs_to_target(q, all_draft_ids, vocab_size))
+            probs.append(torch.zeros(base.shape, dtype=q.dtype, device=q.device).scatter(-1, candidates, q))  # (k, Vd)
     for i in range(0 if by_table else k):
         if options.draft_topk:  # the Markov bias on the K candidates alone
             top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
@@ -84,7 +83,7 @@ def markov_chain(
         if options.temperature > 0:
             q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
             draft = sample(q, generator)  # (1,) one (1, 1) uniform, as a sampled EAGLE-3 chain draws each level
-            probs.append(draft_probs_to_target(q, all_draft_ids, vocab_size))
+            probs.append(q)
         elif options.draft_topk:
             draft = candidates[i].index_select(0, top.argmax(-1))  # (1,)
         else:
@@ -95,7 +94,8 @@ def markov_chain(
     # the confidences read only the drafts before them: all k in one pass after the loop, none inside it
     e = (drafter.markov_head.markov_w1(previous[:-1]) if config.confidence_head and config.confidence_head_with_markov
          else None)  # (k, r)
-    return previous[1:], torch.cat(probs) if probs else None, drafter.confidence_logits(hidden, e)
+    probs = draft_probs_to_target(torch.cat(probs), all_draft_ids, vocab_size) if probs else None  # (k, V) at once
+    return previous[1:], probs, drafter.confidence_logits(hidden, e)
 
 
 def candidate_chain(
