@@ -140,8 +140,8 @@ def test_static_fused_steps_equal_eager_ones(temperature: float) -> None:
     assert isinstance(next(iter(static._drafters.values())), StaticDSparkDrafter)
 
 
-@pytest.mark.parametrize("draft_topk", [0, 5])
-def test_compiled_fused_dspark_step_is_one_graph(monkeypatch, draft_topk: int) -> None:
+@pytest.mark.parametrize("draft_topk, temperature", [(0, 0.0), (5, 0.0), (5, 1.0)])
+def test_compiled_fused_dspark_step_is_one_graph(monkeypatch, draft_topk: int, temperature: float) -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from eaglekit.decode import graphs
@@ -152,7 +152,8 @@ def test_compiled_fused_dspark_step_is_one_graph(monkeypatch, draft_topk: int) -
     monkeypatch.setattr(graphs, "PREFILL_OPTIONS", {"backend": "aot_eager", "fullgraph": True, "dynamic": None})
     target = tiny_target("llama")
     drafter = dspark_for(target)
-    options = dict(method="dspark", chain_length=3, verify_threshold=0.2, draft_topk=draft_topk)
+    options = dict(method="dspark", chain_length=3, verify_threshold=0.2, draft_topk=draft_topk,
+                   temperature=temperature, seed=5)
     fast = Decoder(target, drafter, backend="static", compile=True, max_length=128).generate(PROMPTS[0], 16, **options)
     eager = Decoder(target, drafter).generate(PROMPTS[0], 16, **options)
     assert (fast.tokens, fast.stats.accepted) == (eager.tokens, eager.stats.accepted)
