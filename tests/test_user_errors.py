@@ -112,6 +112,34 @@ def test_a_mistyped_drafter_is_refused_before_the_target_loads(tmp_path, monkeyp
         serve.build_engine(load_config(serve.Config, overrides=["target=tiny", f"drafter={tmp_path / 'trian'}"]))
 
 
+def test_a_method_or_option_that_cannot_work_is_refused_before_the_target_loads(drafter_dir, tmp_path, monkeypatch):
+    """generate and serve read the saved drafter's type and the decode options before loading any model: a method
+    the drafter does not draft with, and an option the method has no use for, are one error each."""
+    import eaglekit.targets.loading
+    from eaglekit.config import load_config
+    from eaglekit.stages import serve
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the request was checked")
+
+    monkeypatch.setattr(eaglekit.targets.loading, "load_target", no_loading)
+    monkeypatch.setattr(serve.HFBackend, "load", no_loading)
+    cases = {("method=dspark",): "method=dspark needs a drafter of type dspark; this drafter is eagle3",
+             ("draft_topk=4",): "draft_topk=4 picks the candidates of a Markov head's correction, which method=tree",
+             ("method=plain", "draft_topk=4"): "which method=plain has none of",
+             ("method=chain", "verify_threshold=0.5"): "verify_threshold=0.5 cuts a chain by the drafter's calibrated"}
+    for options, message in cases.items():
+        code, stderr = run_main("generate", "x = 1", "target=tiny", f"drafter={drafter_dir}", *options, cwd=tmp_path)
+        assert code == 1
+        one_error(stderr, message)
+        if options[0] != "method=plain":  # serve: plain is a server without drafter=
+            with pytest.raises(EaglekitError, match=message.split(";")[0]):
+                serve.build_engine(load_config(serve.Config, overrides=["target=tiny", f"drafter={drafter_dir}",
+                                                                         *options]))
+    with pytest.raises(EaglekitError, match="which method=plain has none of"):
+        serve.build_engine(load_config(serve.Config, overrides=["target=tiny", "draft_topk=4"]))
+
+
 def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_target, data, tmp_path, capsys):
     foreign = tmp_path / "photos"
     foreign.mkdir()

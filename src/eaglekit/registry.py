@@ -193,7 +193,11 @@ def speculative_method(name: str) -> Any:
 
 def check_method(method: str, drafter: Any) -> None:
     """Refuse a method the drafter's type cannot draft with, naming the types that can and the methods it has."""
-    kind = of(drafter)
+    check_type_method(method, of(drafter))
+
+
+def check_type_method(method: str, kind: DrafterType) -> None:
+    """`check_method` for a drafter of type `kind` (a saved drafter's type, read before it is loaded)."""
     if method not in kind.methods:
         raise EaglekitError(f"method={method} needs a drafter of type {' or '.join(types_drafting(method)) or 'none'}; "
                             f"this drafter is {kind.name}: use method={' or '.join(kind.methods) or 'plain'}")

@@ -31,6 +31,19 @@ def drafter_aux_layers(drafter: torch.nn.Module) -> tuple[int, ...]:
     return to_input_convention(tuple(config.aux_layer_ids), config.aux_layer_convention)
 
 
+def check_method_options(method: str, verify_threshold: float, draft_topk: int) -> None:
+    """Refuse a decode option that `method` has no use for (checked from the options alone, before any model)."""
+    speculative = None if method == "plain" else registry.speculative_method(method)
+    if verify_threshold > 0 and not (speculative and speculative.confidence):
+        raise EaglekitError(f"verify_threshold={verify_threshold} cuts a chain by the drafter's calibrated confidence, "
+                            f"which method={method} has none of: use a drafter whose method has one (a DSpark drafter "
+                            "with a confidence head, method=dspark), or leave verify_threshold at 0")
+    if draft_topk and not (speculative and speculative.markov):
+        raise EaglekitError(f"draft_topk={draft_topk} picks the candidates of a Markov head's correction, which "
+                            f"method={method} has none of: use method=dspark with a DSpark drafter, or leave "
+                            "draft_topk at 0")
+
+
 class Decoder:
     """Holds a target, an optional drafter and their backends, so that repeated `generate` calls reuse
     the static caches and compiled steps (a compiled step is built once per shape, not per call)."""
@@ -104,21 +117,13 @@ class Decoder:
         opts = DecodeOptions(method=method, **options)
         if method != "plain" and self.drafter is None:
             raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
+        check_method_options(method, opts.verify_threshold, opts.draft_topk)
         speculative = None
         if method != "plain":
             registry.check_method(method, self.drafter)
             speculative = registry.speculative_method(method)
-            if opts.verify_threshold > 0 and not speculative.confidence:
-                raise EaglekitError(f"verify_threshold={opts.verify_threshold} cuts a chain by the drafter's "
-                                    f"calibrated confidence, which method={method} has none of: use a drafter whose "
-                                    "method has one (a DSpark drafter with a confidence head, method=dspark), or "
-                                    "leave verify_threshold at 0")
             if speculative.check is not None:
                 speculative.check(self.drafter, opts)
-        if opts.draft_topk and not (speculative and speculative.markov):
-            raise EaglekitError(f"draft_topk={opts.draft_topk} picks the candidates of a Markov head's correction, "
-                                f"which method={method} has none of: use method=dspark with a DSpark drafter, or "
-                                "leave draft_topk at 0")
         width = 0 if method == "plain" else 1 + (opts.chain_length if method in CHAIN_METHODS else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
             raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + "

@@ -25,6 +25,22 @@ def check_drafter_path(path: str) -> None:
         )
 
 
+def check_request(method: str, drafter: str, verify_threshold: float, draft_topk: int) -> None:
+    """What generate and serve refuse before any model is loaded (a large target takes minutes): a drafter path that
+    is not there, a method the saved drafter's type cannot draft with, an option the method has no use for."""
+    from eaglekit import registry
+    from eaglekit.decode import check_method_options
+    from eaglekit.formats.saved import saved_drafter_type
+
+    if method != "plain":
+        if not drafter:
+            raise EaglekitError(f"method={method} needs drafter=DIR (a trained or imported drafter), or use "
+                                "method=plain")
+        check_drafter_path(drafter)
+        registry.check_type_method(method, registry.get(saved_drafter_type(drafter)))
+    check_method_options(method, verify_threshold, draft_topk)
+
+
 def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype, target_name: str = ""):
     """An eaglekit drafter on `device`, checked against `target` (refused when made for a structurally different
     one); a drafter saved without its embedding gets the target's. `target_name` defaults to the loaded path."""

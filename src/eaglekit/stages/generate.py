@@ -57,18 +57,14 @@ class Config:
 
 def run(config: Config) -> dict[str, Any]:
     from eaglekit.decode import generate
-    from eaglekit.decode.setup import check_drafter_path, eos_ids, load_drafter, prompt_ids, resolve_backend
+    from eaglekit.decode.setup import check_request, eos_ids, load_drafter, prompt_ids, resolve_backend
     from eaglekit.manifest import atomic_write_json, check_output_file, environment
     from eaglekit.runtime import resolve_device, resolve_dtype
     from eaglekit.targets.loading import load_target, load_tokenizer
 
     if not config.prompt:
         raise EaglekitError('no prompt given: eaglekit generate "your prompt" (or prompt=...)')
-    if config.method != "plain" and not config.drafter:
-        raise EaglekitError(f"method={config.method} needs drafter=DIR (a trained or imported "
-                            "drafter), or use method=plain")
-    if config.method != "plain":
-        check_drafter_path(config.drafter)
+    check_request(config.method, config.drafter, config.verify_threshold, config.draft_topk)
     if config.output:
         check_output_file(config.output, "generate.json")
     device = resolve_device(config.device)

@@ -64,10 +64,10 @@ class Config:
 
 def build_engine(config: Config) -> GenerationEngine:
     """The generation engine behind the server (the in-process target, or speculative with a drafter)."""
-    if config.drafter:
-        from eaglekit.decode.setup import check_drafter_path
+    from eaglekit.decode.setup import check_request
 
-        check_drafter_path(config.drafter)
+    check_request(config.method if config.drafter else "plain", config.drafter, config.verify_threshold,
+                  config.draft_topk)
     base = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code, config.chat_template)
     if not config.drafter:
         return base
