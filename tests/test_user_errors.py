@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from eaglekit.cli import main
+from eaglekit.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eaglekit.errors import EaglekitError
 from eaglekit.manifest import claim_output
 
@@ -113,8 +114,9 @@ def test_a_mistyped_drafter_is_refused_before_the_target_loads(tmp_path, monkeyp
 
 
 def test_a_method_or_option_that_cannot_work_is_refused_before_the_target_loads(drafter_dir, tmp_path, monkeypatch):
-    """generate and serve read the saved drafter's type and the decode options before loading any model: a method
-    the drafter does not draft with, and an option the method has no use for, are one error each."""
+    """generate and serve read the decode options and the saved drafter's config before loading any model: a method
+    the drafter does not draft with, an option the method has no use for, and one the drafter's config cannot draft
+    with (a chain longer than its block, more Markov candidates than draft ids) are one error each."""
     import eaglekit.targets.loading
     from eaglekit.config import load_config
     from eaglekit.stages import serve
@@ -138,6 +140,19 @@ def test_a_method_or_option_that_cannot_work_is_refused_before_the_target_loads(
                                                                          *options]))
     with pytest.raises(EaglekitError, match="which method=plain has none of"):
         serve.build_engine(load_config(serve.Config, overrides=["target=tiny", "draft_topk=4"]))
+    dspark = tmp_path / "dspark"  # what its config.json cannot draft: read without its weights
+    DSparkDrafter(DSparkConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+        vocab_size=128, draft_vocab_size=64, target_hidden_size=32, target_layer_ids=(1,), mask_token_id=127,
+        block_size=4, target_num_layers=4, markov_rank=8, confidence_head=False)).save_pretrained(dspark)
+    cases = {("chain_length=5",): "chain_length=5: this DSpark drafter's block makes at most 4 drafts",
+             ("draft_topk=65",): "draft_topk=65: this DSpark drafter has 64 draft ids",
+             ("verify_threshold=0.5",): "verify_threshold=0.5 needs the drafter's confidence head"}
+    for options, message in cases.items():
+        code, stderr = run_main("generate", "x = 1", "target=tiny", f"drafter={dspark}", "method=dspark", *options,
+                                cwd=tmp_path)
+        assert code == 1
+        one_error(stderr, message)
 
 
 def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_target, data, tmp_path, capsys):

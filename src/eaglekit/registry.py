@@ -90,8 +90,9 @@ class DrafterType:
         """`eaglekit.decode.methods.SpeculativeMethod` of one of the methods this type `defines`."""
         raise NotImplementedError
 
-    def check_drafts(self, drafter: Any, num_drafts: int) -> None:
-        """Refuse more drafts per step than the drafter can make (an engine would draft past its training)."""
+    def check_drafts(self, config: Any, num_drafts: int) -> None:
+        """Refuse more drafts per step than a drafter of `config` can make (an engine would draft past its
+        training)."""
 
     def check_exportable(self, config: Any, fmt: str) -> None:
         """Refuse a layout that cannot hold this drafter config (the engine would load it with other behaviour)."""
@@ -156,7 +157,12 @@ def get(name: str) -> DrafterType:
 
 def of(drafter: Any) -> DrafterType:
     """The type of a loaded drafter (its config's `drafter_type`; "eagle3" for a config without the field)."""
-    return get(str(getattr(drafter.config, "drafter_type", "eagle3")))
+    return of_config(drafter.config)
+
+
+def of_config(config: Any) -> DrafterType:
+    """The type of a drafter config (`of` before the drafter is loaded)."""
+    return get(str(getattr(config, "drafter_type", "eagle3")))
 
 
 def all_methods() -> dict[str, tuple[Method, DrafterType]]:

@@ -31,17 +31,28 @@ def drafter_aux_layers(drafter: torch.nn.Module) -> tuple[int, ...]:
     return to_input_convention(tuple(config.aux_layer_ids), config.aux_layer_convention)
 
 
-def check_method_options(method: str, verify_threshold: float, draft_topk: int) -> None:
-    """Refuse a decode option that `method` has no use for (checked from the options alone, before any model)."""
+def check_method_options(opts: DecodeOptions) -> None:
+    """Refuse a decode option that the method has no use for (checked from the options alone, before any model)."""
+    method = opts.method
     speculative = None if method == "plain" else registry.speculative_method(method)
-    if verify_threshold > 0 and not (speculative and speculative.confidence):
-        raise EaglekitError(f"verify_threshold={verify_threshold} cuts a chain by the drafter's calibrated confidence, "
-                            f"which method={method} has none of: use a drafter whose method has one (a DSpark drafter "
-                            "with a confidence head, method=dspark), or leave verify_threshold at 0")
-    if draft_topk and not (speculative and speculative.markov):
-        raise EaglekitError(f"draft_topk={draft_topk} picks the candidates of a Markov head's correction, which "
+    if opts.verify_threshold > 0 and not (speculative and speculative.confidence):
+        raise EaglekitError(f"verify_threshold={opts.verify_threshold} cuts a chain by the drafter's calibrated "
+                            f"confidence, which method={method} has none of: use a drafter whose method has one (a "
+                            "DSpark drafter with a confidence head, method=dspark), or leave verify_threshold at 0")
+    if opts.draft_topk and not (speculative and speculative.markov):
+        raise EaglekitError(f"draft_topk={opts.draft_topk} picks the candidates of a Markov head's correction, which "
                             f"method={method} has none of: use method=dspark with a DSpark drafter, or leave "
                             "draft_topk at 0")
+
+
+def check_drafter_options(config, opts: DecodeOptions) -> None:
+    """Refuse what a drafter of `config` cannot draft with `opts`, from its config alone (before its weights load):
+    more drafts a step than its chain makes, what the method itself refuses."""
+    if opts.method in CHAIN_METHODS:
+        registry.of_config(config).check_drafts(config, opts.chain_length)
+    speculative = registry.speculative_method(opts.method)
+    if speculative.check is not None:
+        speculative.check(config, opts)
 
 
 class Decoder:
@@ -117,13 +128,12 @@ class Decoder:
         opts = DecodeOptions(method=method, **options)
         if method != "plain" and self.drafter is None:
             raise EaglekitError(f"method={method} needs a drafter; pass one, or use method=plain")
-        check_method_options(method, opts.verify_threshold, opts.draft_topk)
+        check_method_options(opts)
         speculative = None
         if method != "plain":
             registry.check_method(method, self.drafter)
+            check_drafter_options(self.drafter.config, opts)
             speculative = registry.speculative_method(method)
-            if speculative.check is not None:
-                speculative.check(self.drafter, opts)
         width = 0 if method == "plain" else 1 + (opts.chain_length if method in CHAIN_METHODS else opts.total_tokens)
         if self.backend == "static" and len(prompt_ids) + max_new_tokens + width + 1 > self.max_length:
             raise EaglekitError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + "

@@ -28,6 +28,6 @@ class SpeculativeMethod:
     # the chain's drafts 2..k come with the extend's drafter forward (P-EAGLE's mask slots), one drafter forward a
     # step: (drafter backend, drafter, root_logits (Vd,), start, k) -> (k - 1, Vd), the first step's
     ahead: Callable[..., Any] | None = None
-    check: Callable[[Any, Any], None] | None = None  # (drafter, options): refuse what the drafter cannot draft
+    check: Callable[[Any, Any], None] | None = None  # (drafter config, options): refuse what it cannot draft
     confidence: bool = False  # cuts its chain where the drafter's calibrated survival falls below `verify_threshold`
     markov: bool = False  # corrects each draft by the one before it, on `draft_topk` candidates when that is set

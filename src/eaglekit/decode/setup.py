@@ -25,20 +25,25 @@ def check_drafter_path(path: str) -> None:
         )
 
 
-def check_request(method: str, drafter: str, verify_threshold: float, draft_topk: int) -> None:
-    """What generate and serve refuse before any model is loaded (a large target takes minutes): a drafter path that
-    is not there, a method the saved drafter's type cannot draft with, an option the method has no use for."""
+def check_request(method: str, drafter: str, **options: Any) -> None:
+    """What generate and serve refuse before any model is loaded (a large target takes minutes): an option the
+    method has no use for, a drafter path that is not there, a method the saved drafter's type cannot draft with,
+    options its config cannot draft with (`options`: `DecodeOptions` fields)."""
     from eaglekit import registry
-    from eaglekit.decode import check_method_options
-    from eaglekit.formats.saved import saved_drafter_type
+    from eaglekit.config.decode import DecodeOptions
+    from eaglekit.decode import check_drafter_options, check_method_options
+    from eaglekit.formats.saved import saved_drafter_config
 
-    if method != "plain":
-        if not drafter:
-            raise EaglekitError(f"method={method} needs drafter=DIR (a trained or imported drafter), or use "
-                                "method=plain")
-        check_drafter_path(drafter)
-        registry.check_type_method(method, registry.get(saved_drafter_type(drafter)))
-    check_method_options(method, verify_threshold, draft_topk)
+    opts = DecodeOptions(method=method, **options)
+    check_method_options(opts)
+    if method == "plain":
+        return
+    if not drafter:
+        raise EaglekitError(f"method={method} needs drafter=DIR (a trained or imported drafter), or use method=plain")
+    check_drafter_path(drafter)
+    config = saved_drafter_config(drafter)
+    registry.check_type_method(method, registry.of_config(config))
+    check_drafter_options(config, opts)
 
 
 def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype, target_name: str = ""):

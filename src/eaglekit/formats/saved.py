@@ -53,6 +53,12 @@ def saved_drafter_type(directory: str | Path) -> str:
                         f"{directory}` first")
 
 
+def saved_drafter_config(directory: str | Path) -> Any:
+    """The config of an eaglekit drafter directory, read without its weights."""
+    kind = registry.get(saved_drafter_type(directory))
+    return kind.drafter_class().config_class.from_dict(read_config(Path(directory)))
+
+
 def load_saved_drafter(directory: str | Path, device: Any = "cpu", dtype: Any = None) -> Any:
     """Any eaglekit drafter directory, loaded by the class of its saved drafter type."""
     kind = registry.get(saved_drafter_type(directory))

@@ -64,7 +64,8 @@ def run(config: Config) -> dict[str, Any]:
 
     if not config.prompt:
         raise EaglekitError('no prompt given: eaglekit generate "your prompt" (or prompt=...)')
-    check_request(config.method, config.drafter, config.verify_threshold, config.draft_topk)
+    check_request(config.method, config.drafter, chain_length=config.chain_length,
+                  verify_threshold=config.verify_threshold, draft_topk=config.draft_topk)
     if config.output:
         check_output_file(config.output, "generate.json")
     device = resolve_device(config.device)

@@ -66,8 +66,8 @@ def build_engine(config: Config) -> GenerationEngine:
     """The generation engine behind the server (the in-process target, or speculative with a drafter)."""
     from eaglekit.decode.setup import check_request
 
-    check_request(config.method if config.drafter else "plain", config.drafter, config.verify_threshold,
-                  config.draft_topk)
+    check_request(config.method if config.drafter else "plain", config.drafter, chain_length=config.chain_length,
+                  verify_threshold=config.verify_threshold, draft_topk=config.draft_topk)
     base = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code, config.chat_template)
     if not config.drafter:
         return base

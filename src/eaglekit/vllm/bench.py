@@ -57,7 +57,7 @@ def export_for_vllm(drafter_dir: str, output: Path, speculative_tokens: int) -> 
 
     drafter = load_saved_drafter(drafter_dir)
     kind = registry.of(drafter)
-    kind.check_drafts(drafter, speculative_tokens)  # vLLM would draft past what the drafter was trained for
+    kind.check_drafts(drafter.config, speculative_tokens)  # vLLM would draft past what the drafter was trained for
     kind.export(drafter, output, "vllm", dtype=torch.float32, speculative_tokens=speculative_tokens)
     return output
 

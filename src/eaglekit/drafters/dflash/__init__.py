@@ -33,10 +33,10 @@ class DFlashType(DrafterType):
 
         return METHOD
 
-    def check_drafts(self, drafter: Any, num_drafts: int) -> None:
+    def check_drafts(self, config: Any, num_drafts: int) -> None:
         from eaglekit.drafters.dflash.model import check_block
 
-        check_block(num_drafts, drafter.config.block_size)
+        check_block(num_drafts, config.block_size)
 
     def export(self, drafter: Any, output: Path, fmt: str, dtype: Any = None, include_embedding: bool = True,
                speculative_tokens: int = 3) -> dict[str, Any]:

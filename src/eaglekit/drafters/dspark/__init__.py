@@ -42,10 +42,10 @@ class DSparkType(DFlashType):
 
         return METHOD
 
-    def check_drafts(self, drafter: Any, num_drafts: int) -> None:
+    def check_drafts(self, config: Any, num_drafts: int) -> None:
         from eaglekit.drafters.dspark.model import check_drafts
 
-        check_drafts(num_drafts, drafter.config)
+        check_drafts(num_drafts, config)
 
     def check_exportable(self, config: Any, fmt: str) -> None:
         from eaglekit.drafters.dspark.formats import check_exportable

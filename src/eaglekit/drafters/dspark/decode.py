@@ -36,7 +36,7 @@ from eaglekit.decode.methods import SpeculativeMethod
 from eaglekit.decode.sampling import draft_probs_to_target, logits_to_probs, sample
 from eaglekit.decode.tree import DraftTree, ancestor_matrix, chain_parents
 from eaglekit.drafters.dflash.decode import DFlashDrafterBackend
-from eaglekit.drafters.dspark.model import DSparkDrafter, check_drafts
+from eaglekit.drafters.dspark.model import DSparkDrafter
 from eaglekit.errors import EaglekitError
 
 
@@ -150,16 +150,15 @@ def grow_dspark(drafter_backend, drafter: DSparkDrafter, root_hidden: torch.Tens
     return tree, ancestor_matrix(parents, k)
 
 
-def check(drafter: torch.nn.Module, options: DecodeOptions) -> None:
-    """What `method=dspark` refuses before drafting: a drafter of another type (the registry refuses it first), more
-    drafts than a block makes, a confidence threshold without a confidence head, more Markov candidates than draft
-    ids."""
-    check_drafts(options.chain_length, drafter.config)
-    ids = drafter.config.draft_vocab_size
+def check(config, options: DecodeOptions) -> None:
+    """What `method=dspark` refuses before drafting, from the drafter's config, beyond what every method is checked
+    for (its type, more drafts than a block makes): a confidence threshold without a confidence head, more Markov
+    candidates than draft ids."""
+    ids = config.draft_vocab_size
     if options.draft_topk > ids:
         raise EaglekitError(f"draft_topk={options.draft_topk}: this DSpark drafter has {ids} draft ids; pass "
                             f"draft_topk=1..{ids} (0 = all of them)")
-    if options.verify_threshold > 0 and not drafter.config.confidence_head:
+    if options.verify_threshold > 0 and not config.confidence_head:
         raise EaglekitError(f"verify_threshold={options.verify_threshold} needs the drafter's confidence head, and "
                             "this DSpark drafter has none: leave verify_threshold at 0, or train one with "
                             "confidence_head=true")

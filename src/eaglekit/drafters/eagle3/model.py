@@ -60,6 +60,8 @@ def build_rotary(config: DrafterConfig) -> nn.Module:
 class Eagle3Drafter(DraftVocabulary, nn.Module):
     """EAGLE-3 draft model. See the module docstring for the step contract."""
 
+    config_class = DrafterConfig
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
