@@ -58,3 +58,32 @@ def test_bench_drafts_dspark_on_the_markov_candidates_asked(chat_target, tmp_pat
         bench.run(load_config(bench.Config, None, [*common, f"output={tmp_path / 'c'}", "methods=plain",
                                                    "draft_topk=2"]))
     assert not (tmp_path / "c").exists()
+
+
+def test_bench_measures_the_drafters_own_methods_and_refuses_the_others_before_loading(chat_target, tmp_path,
+                                                                                       monkeypatch):
+    """Left at the default methods, a DSpark drafter is measured with dspark (not chain and tree, which it cannot
+    draft); a method named that it cannot draft, or a chain longer than its block, is one error before the target
+    loads, nothing written."""
+    import eaglekit.targets.loading
+
+    chat_dspark(chat_target, tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "what is two plus two"}]}) + "\n")
+    common = [f"prompts={prompts}", f"target={chat_target}", f"drafter={tmp_path / 'drafter'}", "device=cpu",
+              "max_new_tokens=8", "repeats=1", "remeasure=0", "temperatures=0", "warmup=0"]
+    result = bench.run(load_config(bench.Config, None, [*common, f"output={tmp_path / 'b'}"]))
+    assert [r["method"] for r in result["rows"]] == ["plain", "hf", "hf_prompt_lookup", "dspark"]
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["config"]["methods"][-1] == "dspark"
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the methods were checked")
+
+    monkeypatch.setattr(eaglekit.targets.loading, "load_target", no_loading)
+    for options, message in {("methods=plain,tree",): "method=tree needs a drafter of type eagle3 or p-eagle; this "
+                                                      "drafter is dspark: use method=dspark",
+                             ("methods=dspark", "chain_length=60"): "chain_length=60: this DSpark drafter's block "
+                                                                    "makes at most"}.items():
+        with pytest.raises(EaglekitError, match=message):
+            bench.run(load_config(bench.Config, None, [*common, f"output={tmp_path / 'c'}", *options]))
+        assert not (tmp_path / "c").exists()

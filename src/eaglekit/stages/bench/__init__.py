@@ -5,7 +5,8 @@
 
 Methods (`methods=`): plain (eaglekit's own plain decoding, fast path when the target allows), hf
 (`model.generate`), hf_assisted (HF assisted generation with `assistant=`, skipped without one),
-hf_prompt_lookup (HF prompt-lookup decoding), chain and tree (eaglekit EAGLE-3). Each runs at every
+hf_prompt_lookup (HF prompt-lookup decoding), chain and tree (eaglekit EAGLE-3; left at the default, the drafting
+methods are the drafter's own: dflash for a DFlash drafter, parallel, chain and tree for P-EAGLE). Each runs at every
 temperature in `temperatures=`. Before timing, the HF methods run the first `warmup` prompts once
 untimed and eaglekit's methods every prompt (warmup=0: none). Then the methods run interleaved: prompt by
 prompt, every method back to back in a rotating order, `repeats` passes over the prompts; figures are medians
@@ -25,6 +26,7 @@ drafter kept vLLM's own output (T=0: the same ids; T > 0: the same distribution)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +208,33 @@ def _check(config: Config) -> list[str]:
     return methods
 
 
+def _own_methods(config: Config) -> Config:
+    """Left at the default, the drafting methods are the drafter's type's own (a DFlash drafter: dflash, not chain
+    and tree). A drafter whose config cannot be read keeps the default: the checks after refuse it."""
+    from eaglekit.formats.saved import saved_drafter_config
+
+    if not config.drafter or config.methods != DEFAULT_METHODS:
+        return config
+    try:
+        own = registry.of_config(saved_drafter_config(config.drafter)).methods
+    except EaglekitError:
+        return config
+    return dataclasses.replace(config, methods=(*(m for m in DEFAULT_METHODS if m not in DRAFTER_METHODS), *own))
+
+
+def _check_drafter(config: Config, methods: list[str]) -> None:
+    """Before anything loads: a drafting method the drafter does not draft with, or an option its config cannot
+    draft with (a chain longer than its block, more Markov candidates than draft ids), is one error."""
+    from eaglekit.decode.setup import check_request
+
+    for method in methods:
+        if method in DRAFTER_METHODS:
+            cut = registry.speculative_method(method).confidence and config.verify_thresholds
+            check_request(method, config.drafter, chain_length=config.chain_length,
+                          draft_topk=config.draft_topk if takes_draft_topk(method) else 0,
+                          verify_threshold=max(config.verify_thresholds) if cut else 0.0)
+
+
 def _labels(config: Config, methods: list[str]) -> list[str]:
     """What bench runs: each method, and a method with a confidence cut once more at each of `verify_thresholds`."""
     labels = []
@@ -268,6 +297,7 @@ def run(config: Config) -> dict[str, Any]:
     from eaglekit.manifest import atomic_write_json, atomic_write_text, claim_output, environment, write_manifest
     from eaglekit.targets.loading import load_tokenizer
 
+    config = _own_methods(config)
     methods = _check(config)  # the options alone (also `eaglekit run`'s pre-flight, before train writes the drafter)
     if config.drafter:
         from eaglekit.decode.setup import check_drafter_path
@@ -279,6 +309,8 @@ def run(config: Config) -> dict[str, Any]:
 
         check_decoding(load_target_config(config.target, trust_remote_code=config.trust_remote_code), methods,
                        config.backend, config.target)
+    if config.drafter:
+        _check_drafter(config, methods)
     engine = None
     if config.engine == "vllm":  # vLLM missing or of another version: refused before anything is measured
         from eaglekit.vllm.engine import find_engine
