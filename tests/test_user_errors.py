@@ -116,7 +116,8 @@ def test_a_mistyped_drafter_is_refused_before_the_target_loads(tmp_path, monkeyp
 def test_a_method_or_option_that_cannot_work_is_refused_before_the_target_loads(drafter_dir, tmp_path, monkeypatch):
     """generate and serve read the decode options and the saved drafter's config before loading any model: a method
     the drafter does not draft with, an option the method has no use for, and one the drafter's config cannot draft
-    with (a chain longer than its block, more Markov candidates than draft ids) are one error each."""
+    with (a chain longer than its block, more Markov candidates than draft ids) are one error each. Left at auto,
+    the method is the drafter's own."""
     import eaglekit.targets.loading
     from eaglekit.config import load_config
     from eaglekit.stages import serve
@@ -153,6 +154,10 @@ def test_a_method_or_option_that_cannot_work_is_refused_before_the_target_loads(
                                 cwd=tmp_path)
         assert code == 1
         one_error(stderr, message)
+    from eaglekit.decode.setup import check_request  # method=auto (the default): the drafter's own, plain without
+
+    assert [check_request("auto", drafter) for drafter in (str(drafter_dir), str(dspark), "")] == \
+        ["tree", "dspark", "plain"]
 
 
 def test_stages_refuse_foreign_folders_and_resume_their_own(drafter_dir, chat_target, data, tmp_path, capsys):

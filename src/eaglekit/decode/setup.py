@@ -25,25 +25,33 @@ def check_drafter_path(path: str) -> None:
         )
 
 
-def check_request(method: str, drafter: str, **options: Any) -> None:
+def check_request(method: str, drafter: str, **options: Any) -> str:
     """What generate and serve refuse before any model is loaded (a large target takes minutes): an option the
     method has no use for, a drafter path that is not there, a method the saved drafter's type cannot draft with,
-    options its config cannot draft with (`options`: `DecodeOptions` fields)."""
+    options its config cannot draft with (`options`: `DecodeOptions` fields). -> the method, `auto` resolved: plain
+    without a drafter; with one, tree where its type drafts with it, else the type's own (dflash, dspark)."""
     from eaglekit import registry
     from eaglekit.config.decode import DecodeOptions
     from eaglekit.decode import check_drafter_options, check_method_options
     from eaglekit.formats.saved import saved_drafter_config
 
+    if drafter and method != "plain":
+        check_drafter_path(drafter)
+        config = saved_drafter_config(drafter)
+        kind = registry.of_config(config)
+        if method == "auto":
+            method = "tree" if "tree" in kind.methods else kind.methods[0]
+    elif method == "auto":
+        method = "plain"
     opts = DecodeOptions(method=method, **options)
     check_method_options(opts)
     if method == "plain":
-        return
+        return method
     if not drafter:
         raise EaglekitError(f"method={method} needs drafter=DIR (a trained or imported drafter), or use method=plain")
-    check_drafter_path(drafter)
-    config = saved_drafter_config(drafter)
-    registry.check_type_method(method, registry.of_config(config))
+    registry.check_type_method(method, kind)
     check_drafter_options(config, opts)
+    return method
 
 
 def load_drafter(path: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype, target_name: str = ""):

@@ -9,6 +9,7 @@ Prints the completion, then tau (mean tokens per target forward) and acceptance 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,10 @@ class Config:
     prompt: str = option("", "the user message")
     chat: bool = option(True, "wrap the prompt in the tokenizer's chat template (when it has one)")
     max_new_tokens: int = option(128, "tokens to generate at most", min=1)
-    method: str = option("tree", "decoding method: plain, or one the drafter's type drafts with (" +
+    method: str = option("auto", "decoding method: plain, or one the drafter's type drafts with (" +
                          "; ".join(f"{name}: {method.summary}" for name, (method, _) in registry.all_methods().items())
-                         + ")", choices=METHODS)
+                         + "); auto: tree where the drafter's type drafts with it, else its own (dflash, dspark), "
+                         "plain without a drafter", choices=("auto", *METHODS))
     temperature: float = option(0.0, "0 = greedy; > 0 samples with the speculative-sampling rule "
                                      "(output follows the target)", min=0)
     top_p: float = option(1.0, "nucleus sampling threshold (1 = off)", above=0, max=1)
@@ -64,8 +66,9 @@ def run(config: Config) -> dict[str, Any]:
 
     if not config.prompt:
         raise EaglekitError('no prompt given: eaglekit generate "your prompt" (or prompt=...)')
-    check_request(config.method, config.drafter, chain_length=config.chain_length,
-                  verify_threshold=config.verify_threshold, draft_topk=config.draft_topk)
+    method = check_request(config.method, config.drafter, chain_length=config.chain_length,
+                           verify_threshold=config.verify_threshold, draft_topk=config.draft_topk)
+    config = dataclasses.replace(config, method=method)  # auto resolved, as the output records it
     if config.output:
         check_output_file(config.output, "generate.json")
     device = resolve_device(config.device)

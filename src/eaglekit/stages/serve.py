@@ -11,6 +11,7 @@ The engine is built by `build_engine`: the place where a speculative (drafter) e
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -46,8 +47,9 @@ class Config:
     drafter: str = option(
         "", "eaglekit drafter directory: decode speculatively (batch 1), acceptance stats on /metrics"
     )
-    method: str = option("tree", "with drafter: speculative decoding method, one the drafter's type drafts with",
-                         choices=registry.method_names())
+    method: str = option("auto", "with drafter: speculative decoding method, one the drafter's type drafts with "
+                         "(auto: tree where it drafts with it, else its own: dflash, dspark)",
+                         choices=("auto", *registry.method_names()))
     chain_length: int = option(
         DecodeOptions.chain_length, "with drafter, a chain method (chain, parallel, dflash, dspark): draft tokens per "
         "target forward", min=1)
@@ -66,8 +68,10 @@ def build_engine(config: Config) -> GenerationEngine:
     """The generation engine behind the server (the in-process target, or speculative with a drafter)."""
     from eaglekit.decode.setup import check_request
 
-    check_request(config.method if config.drafter else "plain", config.drafter, chain_length=config.chain_length,
-                  verify_threshold=config.verify_threshold, draft_topk=config.draft_topk)
+    method = check_request(config.method if config.drafter else "plain", config.drafter,
+                           chain_length=config.chain_length, verify_threshold=config.verify_threshold,
+                           draft_topk=config.draft_topk)
+    config = dataclasses.replace(config, method=method)  # auto resolved
     base = HFBackend.load(config.target, config.device, config.dtype, config.trust_remote_code, config.chat_template)
     if not config.drafter:
         return base
