@@ -54,9 +54,12 @@ def test_generate_stage_methods_agree(chat_target, drafter_dir, tmp_path, capsys
     assert "tau" in capsys.readouterr().out
 
 
-def test_generate_stage_needs_drafter(chat_target):
+def test_generate_stage_needs_drafter_for_a_speculative_method(chat_target):
     with pytest.raises(EaglekitError, match="drafter=DIR"):
-        generate.run(load_config(generate.Config, overrides=[f"target={chat_target}", "prompt=hi"]))
+        generate.run(load_config(generate.Config, overrides=[f"target={chat_target}", "prompt=hi", "method=tree"]))
+    plain = generate.run(load_config(generate.Config, overrides=[f"target={chat_target}", "prompt=hi",
+                                                                 "max_new_tokens=4"]))  # method=auto, no drafter
+    assert plain["tau"] == 1.0 and len(plain["tokens"]) <= 4
 
 
 def test_bench_writes_json_table_and_plot(chat_target, drafter_dir, tmp_path):
