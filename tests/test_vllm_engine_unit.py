@@ -123,7 +123,9 @@ def test_started_processes_are_stopped_with_their_children(tmp_path):
             assert time.monotonic() < deadline, "the child was not started"
             time.sleep(0.1)
         child = int(pid_file.read_text())
-        assert child in ve.processes_of(tmp_path)  # found by the marker its environment carries
+        while child not in ve.processes_of(tmp_path):  # found by the marker its environment carries
+            assert time.monotonic() < deadline, "the child was not found by its folder"
+            time.sleep(0.05)
     assert process.poll() is not None
     assert not alive(child)
     assert ve.processes_of(tmp_path) == []
