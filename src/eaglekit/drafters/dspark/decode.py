@@ -72,24 +72,25 @@ def markov_chain(
         drafts.append(drafter.draft_to_target(chosen))
         if q is not None:  # over every draft id: zero off the candidates
             probs.append(torch.zeros(base.shape, dtype=q.dtype, device=q.device).scatter(-1, candidates, q))  # (k, Vd)
-    for i in range(0 if by_table else k):
-        if options.draft_topk:  # the Markov bias on the K candidates alone
-            top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
-                                                  candidates[i : i + 1])  # (1, K)
-            if options.temperature > 0:  # the proposal over every draft id: -inf off the candidates
-                logits = torch.full_like(base[i : i + 1], float("-inf")).scatter(-1, candidates[i : i + 1], top)
-        else:
-            logits, _, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
-        if options.temperature > 0:
-            q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
-            draft = sample(q, generator)  # (1,) one (1, 1) uniform, as a sampled EAGLE-3 chain draws each level
-            probs.append(q)
-        elif options.draft_topk:
-            draft = candidates[i].index_select(0, top.argmax(-1))  # (1,)
-        else:
-            draft = logits.argmax(-1)  # (1,)
-        prev = all_draft_ids.index_select(0, draft)  # (1,) target id
-        drafts.append(prev)
+    else:  # the loop over the model, one draft after the other
+        for i in range(k):
+            if options.draft_topk:  # the Markov bias on the K candidates alone
+                top, state = drafter.candidate_logits(hidden[i : i + 1], prev, state, values[i : i + 1],
+                                                      candidates[i : i + 1])  # (1, K)
+                if options.temperature > 0:  # the proposal over every draft id: -inf off the candidates
+                    logits = torch.full_like(base[i : i + 1], float("-inf")).scatter(-1, candidates[i : i + 1], top)
+            else:
+                logits, _, state = drafter.position_logits(hidden[i : i + 1], prev, state, base[i : i + 1])  # (1, Vd)
+            if options.temperature > 0:
+                q = logits_to_probs(logits, options.temperature, options.top_k, options.top_p)  # (1, Vd)
+                draft = sample(q, generator)  # (1,) one (1, 1) uniform, as a sampled EAGLE-3 chain draws each level
+                probs.append(q)
+            elif options.draft_topk:
+                draft = candidates[i].index_select(0, top.argmax(-1))  # (1,)
+            else:
+                draft = logits.argmax(-1)  # (1,)
+            prev = all_draft_ids.index_select(0, draft)  # (1,) target id
+            drafts.append(prev)
     previous = torch.cat(drafts)  # (k+1,) the bonus token, then the drafts
     # the confidences read only the drafts before them: all k in one pass after the loop, none inside it
     e = (drafter.markov_head.markov_w1(previous[:-1]) if config.confidence_head and config.confidence_head_with_markov
