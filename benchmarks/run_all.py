@@ -58,6 +58,8 @@ Parts
             also keeps its confidence calibration (`after_training`: per block position, ECE and AUC raw and
             calibrated). `--variant-bench` passes bench options through (a list keeps its commas:
             verify_thresholds=0,0.3,0.5,0.7 where bench takes it); one bench does not take fails before training.
+            `--variant-only train` trains the drafter and stops; `--variant-only bench` benches the drafter such a
+            call trained (two variants can train side by side on one GPU, then bench one after the other).
 - step_cost: benchmarks/step_cost.py: 8B-shaped step costs (random weights) with the tau of the bench and of the
             other drafter types' variants projected; `--step-cost-args` adds its flags (e.g. `--dflash 4,7
             --dspark 4,7`: block drafters' steps).
@@ -190,14 +192,16 @@ def split_options(text: str) -> list[str]:
     return pairs
 
 
-def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_repeats: int, bench_options: str = "") -> None:
+def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_repeats: int, bench_options: str = "",
+                only: str = "") -> None:
     """A second drafter trained by the run's own train stage with some options changed (`--variant`: same
     shards, vocabulary, split, seed and steps) and benched by the run's bench stage on the same prompts
     (speculative methods only: plain decoding does not depend on the drafter), with `--variant-bench` bench
     options changed (e.g. chain_length=7 for a P-EAGLE chain that costs about what a chain of 4 does; a list
     value keeps its commas: verify_thresholds=0,0.5). The bench options are checked before the drafter trains.
     What the drafter type does after training (DSpark: its confidence calibration, `after_training` in the
-    train manifest) is kept in the JSON beside the bench rows."""
+    train manifest) is kept in the JSON beside the bench rows. `only`: "train" stops after training, "bench"
+    benches what such a call trained, reading its train manifest."""
     from eaglekit.config import load_config, parse_overrides, to_dict
     from eaglekit.manifest import atomic_write_json, environment
     from eaglekit.stages import bench as bench_stage
@@ -228,11 +232,19 @@ def run_variant(work: Path, out: Path, variant: str, bench_methods: str, bench_r
     bench_config = load_config(type(bench_config), None, {  # an option bench does not take fails here, before training
         **to_dict(bench_config), "drafter": str(variant_dir / "train"), "output": str(variant_dir / "bench"),
         "methods": list(methods), **chain, **({"repeats": bench_repeats} if bench_repeats else {}), **changed})
-    log(f"training the variant drafter ({variant})")
-    trained = train_stage.run(train_config)
+    manifest = variant_dir / "train" / "manifest.json"
+    if only == "bench":
+        if not manifest.is_file():
+            raise FileNotFoundError(f"no trained variant drafter in {manifest.parent}: run --variant-only train first")
+        trained = json.loads(manifest.read_text())
+    else:
+        log(f"training the variant drafter ({variant})")
+        trained = train_stage.run(train_config)
+        if only == "train":
+            return
     rows = bench_stage.run(bench_config)["rows"]
     base = json.loads((run / "train" / "manifest.json").read_text())
-    after = json.loads((variant_dir / "train" / "manifest.json").read_text()).get("after_training")
+    after = json.loads(manifest.read_text()).get("after_training")
     atomic_write_json(out / name, {
         "benchmark": "drafter_variant", "variant": options, "environment": environment(),
         "baseline": {"val": base.get("val"), "steps": base.get("steps"), "drafter": str(run / "train")},
@@ -397,6 +409,8 @@ def main() -> int:
     parser.add_argument("--variant-bench", default="", metavar="KEY=VALUE,...",
                         help="variant part: bench options changed for it (e.g. chain_length=7; a list keeps its "
                              "commas: temperatures=0,0.7)")
+    parser.add_argument("--variant-only", choices=("train", "bench"), default="",
+                        help="variant part: only train the drafter, or only bench the one an earlier call trained")
     parser.add_argument("--step-cost-args", default="", metavar="'--FLAG VALUE ...'",
                         help="step_cost part: more benchmarks/step_cost.py flags, split on spaces (e.g. "
                              "--step-cost-args='--shapes= --parts= --dflash 4,7 --dspark 4,7')")
@@ -425,7 +439,7 @@ def main() -> int:
         "extract_speed_reference": lambda: (run_extract_speed(work, out, True) if args.smoke
                                             else run_extract_speed_reference(work, out)),
         "variant": lambda: run_variant(work, out, args.variant, args.bench_methods, args.bench_repeats,
-                                       args.variant_bench),
+                                       args.variant_bench, args.variant_only),
         "step_cost": lambda: run_step_cost(work, out, args.smoke, args.step_cost_args),
         "summary": lambda: summarise(work, out),
     }

@@ -28,12 +28,14 @@
 #   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
 #                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
 #                           warm-up pass                                               run/bench/bench.json
-#   dspark        ~2.5 min  variant drafter_type=dspark,block_size=8,draft_layers=2 (the same backbone): method
+#   drafters      ~2 min    the DSpark and DFlash variants train side by side (two processes on the GPU), then
+#                           each is benched alone:
+#                           variant drafter_type=dspark,block_size=8,draft_layers=2 (the same backbone): method
 #                           dspark, a chain of 8 (every block slot drafts), its calibration; with bench's
 #                           verify_thresholds option (when this eaglekit's bench has it), also a row per
 #                           threshold (DSPARK_VERIFY_THRESHOLDS, about 15 s each once compiled)
 #                                                                                      variant_dspark.json
-#   dflash        ~2 min    variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
+#                           variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
 #                                                                                      variant_dflash.json
 #   probes        ~2 min    benchmarks/block_probe.py on the DSpark drafter, then the DFlash one: decoded acceptance
 #                           per position against the training forward's on the same answers
@@ -95,7 +97,7 @@ run_all() {  # run_all.py PARTS LOGNAME [more run_all flags]
     shift 2
     "$PYTHON" benchmarks/run_all.py --parts "$parts" "$@" $FLAGS --work "$WORK" --out "$RESULTS" \
         > "$RESULTS/$name.log" 2>&1
-    log "$parts rc=$?"
+    log "$name: $parts rc=$?"
 }
 
 job() {
@@ -155,9 +157,14 @@ drafters_job() {
         log "bench takes no verify_thresholds option: the DSpark variant is benched over its whole block only"
     fi
     local steps=${DRAFTER_STEPS:+,max_steps=$DRAFTER_STEPS}
-    run_all variant,summary variant_dspark $quick --variant "drafter_type=dspark,block_size=8,draft_layers=2$steps" \
-        ${cut[@]+"${cut[@]}"}
-    run_all variant,summary variant_dflash $quick --variant "drafter_type=dflash,block_size=8,draft_layers=2$steps"
+    local dspark="drafter_type=dspark,block_size=8,draft_layers=2$steps"
+    local dflash="drafter_type=dflash,block_size=8,draft_layers=2$steps"
+    # the two drafters train side by side (one GPU holds both), then bench one at a time: no timing overlaps
+    run_all variant variant_dspark_train $quick --variant "$dspark" --variant-only train &
+    run_all variant variant_dflash_train $quick --variant "$dflash" --variant-only train &
+    wait
+    run_all variant,summary variant_dspark $quick --variant "$dspark" --variant-only bench ${cut[@]+"${cut[@]}"}
+    run_all variant,summary variant_dflash $quick --variant "$dflash" --variant-only bench
     probe dspark  # after both variants: a job cut off here keeps the side by side
     probe dflash
     log DONE

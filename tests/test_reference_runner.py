@@ -69,6 +69,17 @@ def test_the_reference_runner_runs_its_parts_and_summarises_them(tmp_path):
     text = (out / "summary.md").read_text()
     assert "## DSpark against DFlash" in text and "`variant-dspark/train/`: confidence calibrated" in text
     assert "- step_cost dspark (draft_layers 1, Markov head rank 256): step / plain dspark3 " in text
+    # --variant-only, as the drafters job trains two variants side by side: a bench before training is one error,
+    # a training stops before its bench, and the bench then reads what that training left
+    flags = ("--parts", "variant", "--variant", "drafter_type=dflash,block_size=3,draft_layers=1", "--variant-only")
+    done = run_all(*flags, "bench")
+    assert done.returncode == 1 and "run --variant-only train first" in done.stdout + done.stderr
+    assert run_all(*flags, "train").returncode == 0 and not (out / "variant_dflash.json").exists()
+    manifest = json.loads((work / "variant-dflash" / "train" / "manifest.json").read_text())
+    assert run_all(*flags, "bench").returncode == 0
+    dflash = json.loads((out / "variant_dflash.json").read_text())
+    assert dflash["trained"]["steps"] == manifest["steps"] > 0 and dflash["trained"]["val"] == manifest["val"]
+    assert {r["method"] for r in dflash["bench"]} == {"dflash"}
 
 
 def test_the_summary_has_a_line_for_each_drafter_type_variant():
