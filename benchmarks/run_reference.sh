@@ -28,7 +28,7 @@
 #   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
 #                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
 #                           warm-up pass                                               run/bench/bench.json
-#   drafters      ~2 min    the DSpark and DFlash variants train side by side (two processes on the GPU), then
+#   drafters      ~3 min    the DSpark and DFlash variants train side by side (two processes on the GPU), then
 #                           each is benched alone:
 #                           variant drafter_type=dspark,block_size=8,draft_layers=2 (the same backbone): method
 #                           dspark, a chain of 8 (every block slot drafts), its calibration; with bench's
