@@ -47,6 +47,7 @@
 #   RUN_ALL_FLAGS         flags for every run_all part, e.g. "--no-draft-lm --bench-methods plain,chain,tree" to
 #                         leave out the slow HF peers (split on spaces: no quoted values inside; JOB drafters sets
 #                         its own, these come after them)
+#   REFERENCE_GPU_TESTS=0 leave out tests/test_decode_gpu.py (run beside the target's build)
 #   REFERENCE_STEP_COST=0 leave out step_cost (8B-shaped step costs, random weights; JOB reference: with the bench's
 #                         tau projected)
 #   REFERENCE_VARIANT=0   leave out the variant drafter (run_all --variant, default EAGLE 3.1: fc_norm + norm_output)
@@ -92,6 +93,12 @@ esac
 
 log() { echo "[$JOB $(date +%T)] $*"; }
 
+gpu_tests() {  # tests/test_decode_gpu.py into its log (REFERENCE_GPU_TESTS=0: not run)
+    [ "${REFERENCE_GPU_TESTS:-1}" = 1 ] || return 0
+    "$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
+    echo "rc=$?" >> "$RESULTS/test_decode_gpu.log"
+}
+
 run_all() {  # run_all.py PARTS LOGNAME [more run_all flags]
     local parts=$1 name=$2
     shift 2
@@ -111,11 +118,10 @@ job() {
     }
     mkdir -p "$RESULTS"
     log start
-    ("$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
-     echo "rc=$?" >> "$RESULTS/test_decode_gpu.log") &
+    gpu_tests &
     run_all target target
     wait
-    log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
+    [ "${REFERENCE_GPU_TESTS:-1}" = 1 ] && log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     if [ "${REFERENCE_PEER_FIRST:-0}" = 1 ]; then
         run_all pipeline pipeline
         peer
@@ -144,11 +150,10 @@ drafters_job() {
     [ "$RECIPE" = quick ] && quick="--quick $quick"
     mkdir -p "$RESULTS"
     log start
-    ("$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
-     echo "rc=$?" >> "$RESULTS/test_decode_gpu.log") &
+    gpu_tests &
     run_all target,summary target $quick
     wait
-    log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
+    [ "${REFERENCE_GPU_TESTS:-1}" = 1 ] && log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     [ "${REFERENCE_STEP_COST:-1}" = 1 ] && run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
     run_all pipeline,bench,summary bench $quick
     if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then
@@ -213,7 +218,7 @@ case "${1:-}" in
         mkdir -p runs
         entry=job
         [ "$JOB" = drafters ] && entry=drafters_job
-        export -f log run_all job has_bench_option probe drafters_job
+        export -f log gpu_tests run_all job has_bench_option probe drafters_job
         export JOB RESULTS WORK FLAGS WHEELS PYTHON VERIFY STEP_COST RECIPE
         nohup setsid bash -c "$entry" > "$LOG" 2>&1 < /dev/null &
         echo $! > "$PID"
