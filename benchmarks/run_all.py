@@ -29,8 +29,9 @@ Parts
             held-out prompts come from files never trained on) for a fixed number of steps, about 3
             minutes (scripts/build_tiny_target.py), and a small draft LM with the same tokenizer for HF
             assisted generation, trained for the same wall budget the EAGLE-3 drafter gets.
-- pipeline: `eaglekit run` on that target: regen (the target answers the training prompts) -> extract
-            -> vocab -> train (a fixed number of steps sized to the drafter budget).
+- store:    `eaglekit run` on that target up to the drafter's training data: regen (the target answers the
+            training prompts) -> extract -> vocab (so drafters can train beside the run's own).
+- pipeline: the same run on to train (a fixed number of steps sized to the drafter budget).
 - bench:    the same `eaglekit run`, now with bench (eaglekit plain fast path, HF generate, HF assisted
             generation, HF prompt lookup, EAGLE-3 chain and tree; temperature 0 and 1, held-out prompts)
             and export.
@@ -392,7 +393,7 @@ def summarise(work: Path, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="target,pipeline,bench,speed,summary",
-                        help="comma list of: target, pipeline, bench, variant, step_cost, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), extract_speed_reference (its reference target in RAM only), summary")
+                        help="comma list of: target, store, pipeline, bench, variant, step_cost, profile, peer, decode_speed, decode_speed_8b, train_speed, regen_speed, extract_speed (speed = all five), extract_speed_reference (its reference target in RAM only), summary")
     parser.add_argument("--work", default="runs/reference", help="where models and the run live (reused across parts)")
     parser.add_argument("--out", default="runs/reference-results",
                         help="where the JSON figures go (publish them by moving them into benchmarks/results/latest/)")
@@ -426,6 +427,7 @@ def main() -> int:
     parts = [q for p in args.parts.split(",") for q in (speed if p == "speed" else (p,))]
     steps = {
         "target": lambda: build_models(work, sizes, not args.no_draft_lm),
+        "store": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab")),
         "pipeline": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train")),
         "bench": lambda: run_pipeline(work, sizes, ("regen", "extract", "vocab", "train", "bench", "export"), args.bench_methods,
                                      args.bench_repeats),

@@ -25,11 +25,12 @@
 #                           keeps them): plain, DFlash at k = 7, DSpark at k = 7 over every draft id and with its
 #                           Markov bias on 64 candidates (draft_topk), both with the variants' 2 layers, each with
 #                           its drafting part alone and its floor                      step_cost_8b.json
-#   bench         ~5.5 min  pipeline (regen, extract, vocab, EAGLE-3 train) and bench: plain, chain and tree at
-#                           T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median kept) after one
-#                           warm-up pass                                               run/bench/bench.json
-#   drafters      ~3 min    the DSpark and DFlash variants train side by side (two processes on the GPU), then
-#                           each is benched alone:
+#   store         ~1.5 min  the run up to its training data: regen, extract, vocab
+#   train         ~3 min    three processes side by side on the GPU: the run's EAGLE-3 drafter and the DSpark
+#                           and DFlash variants (run_all --variant-only train)
+#   bench         ~2 min    the run's bench: plain, chain and tree at T=0 and T=1 on 8 held-out prompts, 3 timed
+#                           runs a prompt (the median kept) after one warm-up pass   run/bench/bench.json
+#   drafters      ~2 min    each variant benched alone (run_all --variant-only bench), on the same prompts:
 #                           variant drafter_type=dspark,block_size=8,draft_layers=2 (the same backbone): method
 #                           dspark, a chain of 8 (every block slot drafts), its calibration; with bench's
 #                           verify_thresholds option (when this eaglekit's bench has it), also a row per
@@ -155,19 +156,22 @@ drafters_job() {
     wait
     [ "${REFERENCE_GPU_TESTS:-1}" = 1 ] && log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     [ "${REFERENCE_STEP_COST:-1}" = 1 ] && run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
-    run_all pipeline,bench,summary bench $quick
+    run_all store store $quick
+    local steps=${DRAFTER_STEPS:+,max_steps=$DRAFTER_STEPS}
+    local dspark="drafter_type=dspark,block_size=8,draft_layers=2$steps"
+    local dflash="drafter_type=dflash,block_size=8,draft_layers=2$steps"
+    # the run's drafter and the two variants train side by side (one GPU holds the three), then everything is
+    # benched one at a time: no timing overlaps
+    run_all pipeline pipeline $quick &
+    run_all variant variant_dspark_train $quick --variant "$dspark" --variant-only train &
+    run_all variant variant_dflash_train $quick --variant "$dflash" --variant-only train &
+    wait
+    run_all bench,summary bench $quick
     if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then
         cut=(--variant-bench "verify_thresholds=$VERIFY")
     elif [ -n "$VERIFY" ]; then
         log "bench takes no verify_thresholds option: the DSpark variant is benched over its whole block only"
     fi
-    local steps=${DRAFTER_STEPS:+,max_steps=$DRAFTER_STEPS}
-    local dspark="drafter_type=dspark,block_size=8,draft_layers=2$steps"
-    local dflash="drafter_type=dflash,block_size=8,draft_layers=2$steps"
-    # the two drafters train side by side (one GPU holds both), then bench one at a time: no timing overlaps
-    run_all variant variant_dspark_train $quick --variant "$dspark" --variant-only train &
-    run_all variant variant_dflash_train $quick --variant "$dflash" --variant-only train &
-    wait
     run_all variant,summary variant_dspark $quick --variant "$dspark" --variant-only bench ${cut[@]+"${cut[@]}"}
     run_all variant,summary variant_dflash $quick --variant "$dflash" --variant-only bench
     probe dspark  # after both variants: a job cut off here keeps the side by side

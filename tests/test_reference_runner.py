@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # run_all's default parts (the speed ones: decode, train, regen and extract speed) and those run_reference.sh adds
-PARTS = "target,pipeline,bench,speed,step_cost,variant,extract_speed_reference,profile,summary"
+# (store: the pipeline up to vocab, so the drafters job's variants train beside the run's own drafter)
+PARTS = "target,store,pipeline,bench,speed,step_cost,variant,extract_speed_reference,profile,summary"
 
 
 def test_the_reference_runner_runs_its_parts_and_summarises_them(tmp_path):
