@@ -124,7 +124,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['drafter']} | {r['method']} | {r['drafts']} | {r['temperature']:g} | "
                      f"{r['tokens_per_second']:.1f} | {speedup} | {r['tau']:.2f} | {fmt(r['acceptance_per_position'])} "
                      f"| {fmt(conditional(r['acceptance_per_position']))} |")
-    lines += ["", f"Plain: {', '.join(f'{v:.1f} tok/s at T={t}' for t, v in result['plain'].items())}.", "",
+    plain = ', '.join(f'{v:.1f} tok/s at T={t}' for t, v in result['plain'].items()) or "not measured (no speed-ups)"
+    lines += ["", f"Plain: {plain}.", "",
               "Validation (the run's held-out split, teacher-forced accuracy per position):", ""]
     for kind, val in result["validation"].items():
         lines.append(f"- {kind}: {fmt(val['accuracy'])}, estimated tau {val['estimated_tau']:.2f} "

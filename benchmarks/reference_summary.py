@@ -100,13 +100,14 @@ def summary_markdown(summary: dict, bench_table: str) -> str:
 
 def side_by_side(summary: dict) -> list[dict]:
     """Every speculative row of the run's bench (EAGLE-3) and of the drafter-type variants, with its speed-up over
-    the run's own plain decoding at the same temperature (all benched on the same prompts in one run)."""
+    the run's own plain decoding at the same temperature (all benched on the same prompts in one run; None while
+    the run's bench has not run)."""
     bench = (summary.get("bench") or {}).get("rows", [])
     config = (summary.get("bench") or {}).get("config") or {}
     sources = [("eagle3", config, bench)]  # a variant's bench_options: its chain_length, depth and total_tokens
     sources += [(summary[key]["variant"].get("drafter_type", "eagle3 variant"), {**config, **summary[key].get("bench_options", {})},
                  summary[key]["bench"]) for key in VARIANT_KEYS if summary.get(key)]
-    return [r for r in rows_side_by_side(bench, sources) if r["speedup_vs_plain"] is not None]
+    return rows_side_by_side(bench, sources)
 
 
 def calibrations(summary: dict) -> dict[str, dict]:

@@ -28,9 +28,8 @@
 #   store         ~1.5 min  the run up to its training data: regen, extract, vocab
 #   train         ~3 min    three processes side by side on the GPU: the run's EAGLE-3 drafter and the DSpark
 #                           and DFlash variants (run_all --variant-only train)
-#   bench         ~2 min    the run's bench: plain, chain and tree at T=0 and T=1 on 8 held-out prompts, 3 timed
-#                           runs a prompt (the median kept) after one warm-up pass   run/bench/bench.json
-#   drafters      ~2 min    each variant benched alone (run_all --variant-only bench), on the same prompts:
+#   drafters      ~2 min    each variant benched alone (run_all --variant-only bench), on the run's held-out
+#                           prompts (as the run's bench below):
 #                           variant drafter_type=dspark,block_size=8,draft_layers=2 (the same backbone): method
 #                           dspark, a chain of 8 (every block slot drafts), its calibration; with bench's
 #                           verify_thresholds option (when this eaglekit's bench has it), also a row per
@@ -38,6 +37,9 @@
 #                                                                                      variant_dspark.json
 #                           variant drafter_type=dflash,block_size=8,draft_layers=2: method dflash, a chain of 7
 #                                                                                      variant_dflash.json
+#   bench         ~2 min    the run's bench (after the variants: DSpark against DFlash needs only theirs): plain,
+#                           chain and tree at T=0 and T=1 on 8 held-out prompts, 3 timed runs a prompt (the median
+#                           kept) after one warm-up pass; plain is every speed-up's base  run/bench/bench.json
 #   probes        ~2 min    benchmarks/block_probe.py on the DSpark drafter, then the DFlash one: decoded acceptance
 #                           per position against the training forward's on the same answers
 #                                                                      block_probe_dspark.json, block_probe_dflash.json
@@ -166,7 +168,6 @@ drafters_job() {
     run_all variant variant_dspark_train $quick --variant "$dspark" --variant-only train &
     run_all variant variant_dflash_train $quick --variant "$dflash" --variant-only train &
     wait
-    run_all bench,summary bench $quick
     if [ -n "$VERIFY" ] && has_bench_option verify_thresholds; then
         cut=(--variant-bench "verify_thresholds=$VERIFY")
     elif [ -n "$VERIFY" ]; then
@@ -174,6 +175,7 @@ drafters_job() {
     fi
     run_all variant,summary variant_dspark $quick --variant "$dspark" --variant-only bench ${cut[@]+"${cut[@]}"}
     run_all variant,summary variant_dflash $quick --variant "$dflash" --variant-only bench
+    run_all bench,summary bench $quick  # after the variants: DSpark against DFlash needs only theirs
     probe dspark  # after both variants: a job cut off here keeps the side by side
     probe dflash
     log DONE

@@ -71,6 +71,8 @@ def test_the_summary_markdown_has_the_block_drafters_section():
     assert len(cut) == 1 and cut[0]["speedup_vs_plain"] == 2.0 and cut[0]["drafter"] == "dspark"
     assert cut[0]["verify_threshold"] == 0.5  # a cut row says so as a field too, not only in its name
     assert all("verify_threshold" not in r for r in summary["methods"] if r is not cut[0])
+    unpaired = [r for r in summary["methods"] if r["temperature"] == 1.0]  # no plain at T=1: kept, no speed-up
+    assert [r["drafter"] for r in unpaired] == ["dflash"] and unpaired[0]["speedup_vs_plain"] is None
     lines = summary_module.summary_markdown(summary, "").splitlines()
     assert "## DSpark against DFlash (the same block backbone, the same prompts)" in lines
     assert "| dspark | dspark | 0 | 3 | 2.50 | 250.0 | 0.90 0.60 0.30 | 0.90 0.67 0.50 |" in lines
