@@ -96,10 +96,11 @@ esac
 
 log() { echo "[$JOB $(date +%T)] $*"; }
 
-gpu_tests() {  # tests/test_decode_gpu.py into its log (REFERENCE_GPU_TESTS=0: not run)
+gpu_tests() {  # tests/test_decode_gpu.py into its log, its result into the job's (REFERENCE_GPU_TESTS=0: not run)
     [ "${REFERENCE_GPU_TESTS:-1}" = 1 ] || return 0
     "$PYTHON" -m pytest -x -q -p no:warnings tests/test_decode_gpu.py > "$RESULTS/test_decode_gpu.log" 2>&1
     echo "rc=$?" >> "$RESULTS/test_decode_gpu.log"
+    log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
 }
 
 run_all() {  # run_all.py PARTS LOGNAME [more run_all flags]
@@ -124,7 +125,6 @@ job() {
     gpu_tests &
     run_all target target
     wait
-    [ "${REFERENCE_GPU_TESTS:-1}" = 1 ] && log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     if [ "${REFERENCE_PEER_FIRST:-0}" = 1 ]; then
         run_all pipeline pipeline
         peer
@@ -156,7 +156,6 @@ drafters_job() {
     gpu_tests &
     run_all target,summary target $quick
     wait
-    [ "${REFERENCE_GPU_TESTS:-1}" = 1 ] && log "test_decode_gpu $(tail -1 "$RESULTS/test_decode_gpu.log")"
     [ "${REFERENCE_STEP_COST:-1}" = 1 ] && run_all step_cost,summary step_cost $quick --step-cost-args="$STEP_COST"
     run_all store store $quick
     local steps=${DRAFTER_STEPS:+,max_steps=$DRAFTER_STEPS}
